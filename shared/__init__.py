@@ -1,0 +1,1 @@
+"""nextstate: shared code used by two or more services."""

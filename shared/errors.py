@@ -1,0 +1,66 @@
+"""The exception tree shared by every service.
+
+    NextstateError
+    ├── SettingsError          bad configuration at start; names the variable
+    ├── MalformedMessage       a stream message or request body fails validation
+    ├── BusError               Redis streams (publish, consume)
+    ├── StoreError             the bucket
+    │   ├── NoCheckpoint       no LATEST / manifest where one was expected
+    │   └── ChecksumMismatch   a downloaded file does not match its manifest
+    └── EngineError            the inference engine
+        ├── EngineUnavailable  cannot connect, or it answered 5xx
+        ├── EngineTimeout      no answer within the timeout
+        └── EngineRejected     it answered 4xx: the request itself is wrong
+
+Every message says what happened and, where it can, what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class NextstateError(Exception):
+    """Base of every error raised on purpose by nextstate code."""
+
+
+class SettingsError(NextstateError):
+    """Configuration is invalid; raised once, at start."""
+
+
+class MalformedMessage(NextstateError):
+    """A message (stream entry or request body) does not match its schema."""
+
+
+class BusError(NextstateError):
+    """A Redis streams operation failed."""
+
+
+class StoreError(NextstateError):
+    """A bucket operation failed."""
+
+
+class NoCheckpoint(StoreError):
+    """The bucket holds no checkpoint where one was expected."""
+
+
+class ChecksumMismatch(StoreError):
+    """A downloaded file's size or sha256 differs from the manifest."""
+
+
+class EngineError(NextstateError):
+    """The inference engine could not serve a request."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine refused the connection or answered with a 5xx."""
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within the configured timeout."""
+
+
+class EngineRejected(EngineError):
+    """The engine answered 4xx: the request is wrong, retrying will not help."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code

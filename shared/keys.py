@@ -1,0 +1,103 @@
+"""Every Redis stream, consumer group and key name, built from the configured prefix.
+
+Nothing else in the code base spells a key: import `Keys` and ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Short stream names, as DESIGN.md and `nextstate tail` use them.
+TURNS = "turns"
+SCORED = "scored"
+BATCHES = "batches"
+CHECKPOINTS = "checkpoints"
+POLICY = "policy"
+DEAD = "dead"
+STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, DEAD)
+
+# Consumer groups (stream -> group that consumes it).
+GROUP_JUDGE = "judge"
+GROUP_BUFFER = "buffer"
+GROUP_TRAINER = "trainer"
+GROUPS = {TURNS: GROUP_JUDGE, SCORED: GROUP_BUFFER, BATCHES: GROUP_TRAINER}
+
+# The single field of a stream entry that holds the message JSON.
+FIELD = "data"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "nextstate"
+
+    def stream(self, name: str) -> str:
+        """Full key of a stream given its short name (`turns` -> `nextstate:turns`)."""
+        if name not in STREAMS:
+            raise ValueError(f"unknown stream {name!r}; one of {', '.join(STREAMS)}")
+        return f"{self.prefix}:{name}"
+
+    def short(self, key: str) -> str:
+        """Inverse of `stream`: `nextstate:turns` -> `turns`."""
+        return key.removeprefix(f"{self.prefix}:")
+
+    @property
+    def turns(self) -> str:
+        return self.stream(TURNS)
+
+    @property
+    def scored(self) -> str:
+        return self.stream(SCORED)
+
+    @property
+    def batches(self) -> str:
+        return self.stream(BATCHES)
+
+    @property
+    def checkpoints(self) -> str:
+        return self.stream(CHECKPOINTS)
+
+    @property
+    def policy(self) -> str:
+        return self.stream(POLICY)
+
+    @property
+    def dead(self) -> str:
+        return self.stream(DEAD)
+
+    # -- bus bookkeeping ---------------------------------------------------------
+    def done(self, group: str, message_id: str) -> str:
+        """Set once a group has handled a message id (dedupe across redeliveries)."""
+        return f"{self.prefix}:done:{group}:{message_id}"
+
+    def shed(self, stream_key: str) -> str:
+        """Counter of messages refused because the stream was over its bound."""
+        return f"{self.prefix}:shed:{self.short(stream_key)}"
+
+    # -- collector: pending turns waiting for their next state -------------------
+    def pending_turn(self, prefix_hash: str) -> str:
+        return f"{self.prefix}:pending:{prefix_hash}"
+
+    @property
+    def pending_deadlines(self) -> str:
+        """Sorted set: pending-turn hash scored by its expiry time."""
+        return f"{self.prefix}:pending-deadlines"
+
+    # -- buffer -------------------------------------------------------------------
+    def session_samples(self, session_id: str) -> str:
+        """How many training samples a session has produced (for the at-least-one rule)."""
+        return f"{self.prefix}:session:{session_id}:samples"
+
+    # -- policy versions ------------------------------------------------------------
+    @property
+    def policy_version(self) -> str:
+        """The version the engine serves now (set by the watcher)."""
+        return f"{self.prefix}:policy-version"
+
+    @property
+    def trainer_version(self) -> str:
+        """The newest version the trainer has committed (set by the trainer)."""
+        return f"{self.prefix}:trainer-version"
+
+    # -- rq job queues -----------------------------------------------------------------
+    def queue(self, name: str) -> str:
+        return f"{self.prefix}-{name}"

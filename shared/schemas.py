@@ -1,0 +1,291 @@
+"""One pydantic model per message on the wire (DESIGN.md, "Streams and keys").
+
+Each message carries `type`, `schema_version`, an idempotency `id` and `created_at`
+(unix seconds). Messages are JSON in the `data` field of a stream entry; `parse_message`
+reads any of them and `Model.from_json` one known type. Validation happens here, at
+the edge, once: a malformed message raises `MalformedMessage` with every problem named.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from shared.errors import MalformedMessage
+
+SCHEMA_VERSION = 1
+
+Reward = Literal[-1, 0, 1]
+TurnType = Literal["main", "side"]
+Mode = Literal["rl", "opd", "combine"]
+
+M = TypeVar("M", bound="Message")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def describe(exc: ValidationError) -> str:
+    """A one-line summary of every validation problem: `field.path: message; ...`."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ())) or "message"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    id: str = Field(default_factory=new_id, min_length=1, max_length=256)
+    created_at: float = Field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls: type[M], data: str | bytes) -> M:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise MalformedMessage(f"not a valid {cls.__name__}: {describe(exc)}") from None
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    max_tokens: int | None = Field(None, ge=0)
+    stop: list[str] | None = None
+    seed: int | None = None
+
+
+class Turn(Message):
+    """One model response, with its exact tokens, once its next state is known."""
+
+    type: Literal["turn"] = "turn"
+    session_id: str
+    turn_index: int = Field(0, ge=0)
+    turn_type: TurnType = "main"
+    model: str = ""
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    response: dict[str, Any]
+    # Exactly as the engine saw and sampled them. Empty (and logprobs None) only for
+    # turns imported as text (`source="import"`); the buffer tokenizes those.
+    prompt_ids: list[int] = Field(default_factory=list)
+    response_ids: list[int] = Field(default_factory=list)
+    response_logprobs: list[float] | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    weight_version: str = "0"
+    policy_version: int = Field(0, ge=0)
+    finish_reason: str | None = None
+    # Every message between this response and the end of the request that followed it
+    # (the user's reply, or all tool results). None: the session ended or the turn expired.
+    next_state: list[dict[str, Any]] | None = None
+    closed_by: Literal["next_request", "session_done", "ttl", "import"] = "next_request"
+    source: Literal["collector", "import"] = "collector"
+    requested_at: float | None = None
+    responded_at: float | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Turn:
+        if self.response_logprobs is not None and len(self.response_logprobs) != len(
+            self.response_ids
+        ):
+            raise ValueError(
+                f"response_logprobs has {len(self.response_logprobs)} entries "
+                f"for {len(self.response_ids)} response_ids"
+            )
+        return self
+
+
+class Vote(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    score: Reward | None  # None: the judge's answer could not be parsed
+    text: str = ""
+    latency_s: float = 0.0
+    error: str | None = None
+
+
+class ScoredTurn(Message):
+    """A turn with its reward (majority of the judge's votes) and, in OPD, a hint."""
+
+    type: Literal["scored_turn"] = "scored_turn"
+    turn: Turn
+    reward: Reward
+    judged: bool = True  # False: no next state, so nothing to judge (reward 0)
+    votes: list[Vote] = Field(default_factory=list)
+    judge: str = "prm"  # prm | rule | module:callable
+    judge_model: str | None = None
+    prompt_version: str | None = None
+    mode: Mode = "rl"
+    hint: str | None = None
+    teacher_prompt_ids: list[int] | None = None
+    teacher_logprobs: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _teacher_aligned(self) -> ScoredTurn:
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(
+            self.turn.response_ids
+        ):
+            raise ValueError(
+                f"teacher_logprobs has {len(self.teacher_logprobs)} entries "
+                f"for {len(self.turn.response_ids)} response_ids"
+            )
+        return self
+
+
+class TrainSample(Message):
+    """What the trainer consumes for one turn: tokens, mask, reward, behaviour log-probs."""
+
+    type: Literal["train_sample"] = "train_sample"
+    session_id: str
+    turn_index: int = 0
+    tokens: list[int]  # prompt + response
+    response_length: int = Field(ge=1)
+    loss_mask: list[int]  # one per response token, 0 or 1
+    reward: float
+    rollout_logprobs: list[float] | None = None  # None: the trainer uses its own (on-policy)
+    teacher_logprobs: list[float] | None = None
+    policy_version: int = Field(0, ge=0)
+    weight_version: str = "0"
+    temperature: float = Field(1.0, ge=0)
+    mode: Mode = "rl"
+    forced: bool = False  # kept only by the at-least-one rule
+
+    @model_validator(mode="after")
+    def _shapes(self) -> TrainSample:
+        n = self.response_length
+        if n > len(self.tokens):
+            raise ValueError(f"response_length {n} exceeds {len(self.tokens)} tokens")
+        if len(self.loss_mask) != n:
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {n} response tokens")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask entries must be 0 or 1")
+        for name in ("rollout_logprobs", "teacher_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and len(lp) != n:
+                raise ValueError(f"{name} has {len(lp)} entries for {n} response tokens")
+        return self
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+
+class TrainBatch(Message):
+    type: Literal["train_batch"] = "train_batch"
+    run: str = "default"
+    samples: list[TrainSample] = Field(min_length=1)
+
+
+class CheckpointFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str  # relative to the version folder
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class CheckpointManifest(Message):
+    """`policies/<run>/vNNNNNN/manifest.json`: written after every file, before LATEST."""
+
+    type: Literal["checkpoint_manifest"] = "checkpoint_manifest"
+    run: str
+    version: int = Field(ge=0)
+    step: int = Field(0, ge=0)
+    base_model: str = ""
+    files: list[CheckpointFile]
+    consumed_batch_ids: list[str] = Field(default_factory=list)
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def weight_version(self) -> str:
+        return str(self.version)
+
+
+class LatestPointer(BaseModel):
+    """`policies/<run>/LATEST`: the one object readers follow."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    manifest: str
+    committed_at: float = Field(default_factory=time.time)
+
+
+class CheckpointPublished(Message):
+    type: Literal["checkpoint_published"] = "checkpoint_published"
+    run: str
+    version: int = Field(ge=0)
+    step: int = 0
+    manifest: str
+    committed_at: float = Field(default_factory=time.time)
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class PolicyLoaded(Message):
+    type: Literal["policy_loaded"] = "policy_loaded"
+    run: str
+    version: int = Field(ge=0)
+    weight_version: str
+    engine: str = ""
+    download_s: float = 0.0
+    load_s: float = 0.0
+    sync_s: float | None = None  # LATEST commit -> the engine answering with this version
+
+
+class DeadLetter(Message):
+    """A message that failed `deliveries` times, with the last error. Never silently dropped."""
+
+    type: Literal["dead_letter"] = "dead_letter"
+    stream: str  # short name of the stream it came from
+    group: str
+    entry_id: str  # its Redis entry id there
+    data: str  # the original `data` field, verbatim
+    error: str
+    deliveries: int = Field(ge=0)
+    consumer: str = ""
+
+
+AnyMessage = Annotated[
+    Turn
+    | ScoredTurn
+    | TrainSample
+    | TrainBatch
+    | CheckpointManifest
+    | CheckpointPublished
+    | PolicyLoaded
+    | DeadLetter,
+    Field(discriminator="type"),
+]
+_ANY: TypeAdapter[Any] = TypeAdapter(AnyMessage)
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    "turn": Turn,
+    "scored_turn": ScoredTurn,
+    "train_sample": TrainSample,
+    "train_batch": TrainBatch,
+    "checkpoint_manifest": CheckpointManifest,
+    "checkpoint_published": CheckpointPublished,
+    "policy_loaded": PolicyLoaded,
+    "dead_letter": DeadLetter,
+}
+
+
+def parse_message(data: str | bytes) -> Message:
+    """Parse any known message by its `type`."""
+    try:
+        msg: Message = _ANY.validate_json(data)
+    except ValidationError as exc:
+        raise MalformedMessage(f"not a valid message: {describe(exc)}") from None
+    return msg

@@ -1,0 +1,163 @@
+"""Settings shared by every service: pydantic-settings, `NEXTSTATE_` prefix, `__` nesting.
+
+Each service subclasses `Settings` and adds its own group, so one environment
+configures the whole stack:
+
+    NEXTSTATE_ENV=prod
+    NEXTSTATE_RUN=exp1
+    NEXTSTATE_REDIS__URL=redis://redis:6379/0
+    NEXTSTATE_REDIS__PREFIX=nextstate
+    NEXTSTATE_BUCKET__ENDPOINT=minio:9000
+    NEXTSTATE_BUCKET__ACCESS_KEY=...   NEXTSTATE_BUCKET__SECRET_KEY=...
+    NEXTSTATE_COLLECTOR__PORT=8000     (a service's own group)
+
+`load_settings` turns validation errors into one `SettingsError` whose message names
+each offending variable, so a service fails at start and says what to fix.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.errors import SettingsError
+
+ENV_PREFIX = "NEXTSTATE_"
+DEV_BUCKET_KEYS = ("minioadmin", "minioadmin")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class RedisSettings(BaseModel):
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "nextstate"
+    connect_timeout: float = Field(2.0, gt=0)
+    socket_timeout: float = Field(5.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}", v):
+            raise ValueError("letters, digits and _ . : - only (at most 64)")
+        return v
+
+
+class StreamSettings(BaseModel):
+    """How the stream bus behaves; the same for every stream unless a service overrides it."""
+
+    maxlen: int = Field(100_000, ge=10, description="over this many entries, publish sheds")
+    max_deliveries: int = Field(5, ge=1, description="then the entry goes to the dead stream")
+    claim_idle_ms: int = Field(30_000, ge=100, description="reclaim others' entries idle this long")
+    retry_delay_ms: int = Field(1_000, ge=0, description="retry a failed entry after this long")
+    block_ms: int = Field(1_000, ge=1)
+    read_count: int = Field(64, ge=1)
+    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=60)
+    shutdown_grace_s: float = Field(10.0, ge=0)
+
+
+class BucketSettings(BaseModel):
+    endpoint: str = "127.0.0.1:9000"
+    access_key: str = DEV_BUCKET_KEYS[0]
+    secret_key: SecretStr = SecretStr(DEV_BUCKET_KEYS[1])
+    name: str = "nextstate"
+    secure: bool = False
+    region: str | None = None
+    timeout: float = Field(30.0, gt=0)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if "://" in v or "/" in v:
+            raise ValueError("host:port only, without scheme or path (use secure for https)")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _bucket_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", v):
+            raise ValueError("S3 bucket names are 3-63 lowercase letters, digits, '.' or '-'")
+        return v
+
+
+class LogSettings(BaseModel):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"
+    # Conversation text never appears in logs unless this is set (and then only at DEBUG).
+    log_content: bool = False
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+
+class Settings(BaseSettings):
+    """What every service needs. Services subclass this and add their own group."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    env: Literal["dev", "test", "prod"] = "dev"
+    run: str = "default"
+    redis: RedisSettings = RedisSettings()
+    streams: StreamSettings = StreamSettings()
+    bucket: BucketSettings = BucketSettings()
+    log: LogSettings = LogSettings()
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        if not _NAME.fullmatch(v):
+            raise ValueError("letters, digits and _ . - only (at most 64)")
+        return v
+
+    @model_validator(mode="after")
+    def _no_default_secrets_in_prod(self) -> Settings:
+        if self.env == "prod":
+            if self.bucket.access_key == DEV_BUCKET_KEYS[0]:
+                raise ValueError(
+                    "NEXTSTATE_BUCKET__ACCESS_KEY is the development default; "
+                    "set real credentials when NEXTSTATE_ENV=prod"
+                )
+            if self.bucket.secret_key.get_secret_value() == DEV_BUCKET_KEYS[1]:
+                raise ValueError(
+                    "NEXTSTATE_BUCKET__SECRET_KEY is the development default; "
+                    "set real credentials when NEXTSTATE_ENV=prod"
+                )
+        return self
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def env_var_name(loc: tuple[int | str, ...]) -> str:
+    """`("bucket", "endpoint")` -> `NEXTSTATE_BUCKET__ENDPOINT`."""
+    return ENV_PREFIX + "__".join(str(part).upper() for part in loc)
+
+
+def load_settings(cls: type[S], **overrides: Any) -> S:
+    """Build `cls` from the environment; any invalid value raises one `SettingsError`."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(err.get("loc", ()))
+            where = env_var_name(loc) if loc else "settings"
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}")
+        raise SettingsError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,90 @@
+"""Fixtures: a private redis-server and SeaweedFS per test session, unique names per test.
+
+Integration tests take `redis_url` / `s3` / `settings`; each test gets its own stream
+prefix and run name, so tests never see each other's data. Unit tests take none of
+these and need nothing running.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.settings import Settings
+from tests.support.servers import RedisServer, S3Server
+from tests.support.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    server = S3Server().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique token for stream prefixes, run names, session ids."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def env(redis_url: str, unique: str) -> dict[str, str]:
+    """Environment for a service process: this session's Redis, a prefix of its own."""
+    return {
+        "NEXTSTATE_ENV": "test",
+        "NEXTSTATE_RUN": f"run-{unique}",
+        "NEXTSTATE_REDIS__URL": redis_url,
+        "NEXTSTATE_REDIS__PREFIX": f"t-{unique}",
+    }
+
+
+@pytest.fixture
+def s3_env(env: dict[str, str], s3: S3Server) -> dict[str, str]:
+    """`env` plus this session's S3 server and bucket."""
+    return {**env, **s3.env()}
+
+
+def settings_from(env: dict[str, str]) -> Settings:
+    return Settings(
+        env=env.get("NEXTSTATE_ENV", "test"),
+        run=env["NEXTSTATE_RUN"],
+        redis={"url": env["NEXTSTATE_REDIS__URL"], "prefix": env["NEXTSTATE_REDIS__PREFIX"]},
+        bucket={
+            "endpoint": env.get("NEXTSTATE_BUCKET__ENDPOINT", "127.0.0.1:9000"),
+            "access_key": env.get("NEXTSTATE_BUCKET__ACCESS_KEY", "minioadmin"),
+            "secret_key": env.get("NEXTSTATE_BUCKET__SECRET_KEY", "minioadmin"),
+            "name": env.get("NEXTSTATE_BUCKET__NAME", "nextstate"),
+        },
+    )
+
+
+@pytest.fixture
+def settings(env: dict[str, str]) -> Settings:
+    return settings_from(env)
+
+
+@pytest.fixture
+def s3_settings(s3_env: dict[str, str]) -> Settings:
+    return settings_from(s3_env)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF folder: tokenizer with a ChatML/tools template + a 2-layer random Llama."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -1,0 +1,130 @@
+"""Message schemas: JSON round trips, and clear rejections of malformed input."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import MalformedMessage
+from shared.schemas import (
+    MESSAGE_TYPES,
+    CheckpointFile,
+    CheckpointManifest,
+    CheckpointPublished,
+    DeadLetter,
+    PolicyLoaded,
+    ScoredTurn,
+    TrainBatch,
+    TrainSample,
+    Turn,
+    Vote,
+    parse_message,
+)
+
+
+def a_turn(**kw: object) -> Turn:
+    base: dict[str, object] = dict(
+        session_id="s1",
+        messages=[{"role": "user", "content": "hi"}],
+        response={"role": "assistant", "content": "hello"},
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5],
+        response_logprobs=[-0.5, -1.25],
+        next_state=[{"role": "user", "content": "thanks!"}],
+    )
+    base.update(kw)
+    return Turn(**base)  # type: ignore[arg-type]
+
+
+def a_sample(**kw: object) -> TrainSample:
+    base: dict[str, object] = dict(
+        session_id="s1", tokens=[1, 2, 3, 4, 5], response_length=2, loss_mask=[1, 1],
+        reward=1.0, rollout_logprobs=[-0.5, -1.25],
+    )
+    base.update(kw)
+    return TrainSample(**base)  # type: ignore[arg-type]
+
+
+EXAMPLES = [
+    a_turn(),
+    ScoredTurn(turn=a_turn(), reward=1, votes=[Vote(score=1, text=r"\boxed{1}")]),
+    a_sample(),
+    TrainBatch(samples=[a_sample(), a_sample(reward=-1.0)]),
+    CheckpointManifest(run="r", version=3, files=[CheckpointFile(path="model.safetensors", size=10, sha256="0" * 64)]),
+    CheckpointPublished(run="r", version=3, manifest="policies/r/v000003/manifest.json"),
+    PolicyLoaded(run="r", version=3, weight_version="3"),
+    DeadLetter(stream="turns", group="judge", entry_id="1-0", data="{}", error="boom", deliveries=5),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.type)
+def test_round_trip(msg: object) -> None:
+    data = msg.to_json()  # type: ignore[attr-defined]
+    back = parse_message(data)
+    assert back == msg
+    assert type(back).from_json(data) == msg
+
+
+def test_every_type_registered() -> None:
+    assert {m.type for m in EXAMPLES} == set(MESSAGE_TYPES)
+
+
+def test_unknown_type_rejected() -> None:
+    with pytest.raises(MalformedMessage, match="type"):
+        parse_message('{"type": "nope", "id": "x"}')
+
+
+def test_not_json_rejected() -> None:
+    with pytest.raises(MalformedMessage, match="not a valid"):
+        parse_message("{not json")
+
+
+def test_missing_fields_named() -> None:
+    with pytest.raises(MalformedMessage) as exc:
+        Turn.from_json('{"type": "turn"}')
+    assert "session_id" in str(exc.value) and "messages" in str(exc.value)
+
+
+def test_future_schema_version_rejected() -> None:
+    data = a_turn().to_json().replace('"schema_version":1', '"schema_version":2')
+    with pytest.raises(MalformedMessage, match="schema_version"):
+        Turn.from_json(data)
+
+
+def test_unknown_field_rejected() -> None:
+    data = a_turn().to_json().replace('"type":"turn"', '"type":"turn","surprise":1')
+    with pytest.raises(MalformedMessage, match="surprise"):
+        Turn.from_json(data)
+
+
+def test_logprobs_must_align_with_ids() -> None:
+    with pytest.raises(ValueError, match="response_logprobs has 1 entries for 2"):
+        a_turn(response_logprobs=[-0.1])
+
+
+def test_teacher_logprobs_must_align() -> None:
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        ScoredTurn(turn=a_turn(), reward=0, teacher_logprobs=[-1.0])
+
+
+def test_sample_shapes_checked() -> None:
+    with pytest.raises(ValueError, match="loss_mask has 1 entries"):
+        a_sample(loss_mask=[1])
+    with pytest.raises(ValueError, match="exceeds"):
+        a_sample(response_length=9, loss_mask=[1] * 9, rollout_logprobs=None)
+    with pytest.raises(ValueError, match="0 or 1"):
+        a_sample(loss_mask=[1, 2])
+
+
+def test_reward_values_limited() -> None:
+    with pytest.raises(ValueError):
+        ScoredTurn(turn=a_turn(), reward=2)  # type: ignore[arg-type]
+
+
+def test_empty_batch_rejected() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        TrainBatch(samples=[])
+
+
+def test_bad_sha_rejected() -> None:
+    with pytest.raises(ValueError):
+        CheckpointFile(path="x", size=1, sha256="xyz")
