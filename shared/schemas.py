@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from shared.errors import MalformedMessage
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 Reward = Literal[-1, 0, 1]
 TurnType = Literal["main", "side"]
