@@ -29,9 +29,9 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from shared.errors import ChecksumMismatch, NoCheckpoint, StoreError
+from shared.errors import ChecksumMismatch, NoCheckpoint, ObjectNotFound, StoreError
 from shared.schemas import CheckpointFile, CheckpointManifest, LatestPointer, describe
-from shared.store import Bucket, FileDigest, ObjectNotFound
+from shared.store import Bucket, FileDigest
 
 log = logging.getLogger(__name__)
 

@@ -101,8 +101,6 @@ class Consumer(Generic[M]):
         self.dedupe = dedupe
         self.cfg = bus.streams
         self.key = bus.keys.stream(stream)
-        # redis-py's annotations do not know decode_responses=True: treat replies as Any.
-        self.r: Any = bus.redis
         self._slot_free = asyncio.Event()
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._acks: list[tuple[str, str | None]] = []  # (entry id, message id to mark done)
@@ -154,12 +152,12 @@ class Consumer(Generic[M]):
     async def _hand_back(self) -> None:
         """Mark this consumer's unfinished entries long idle so others claim them at once."""
         with contextlib.suppress(RedisError):
-            rows = await self.r.xpending_range(
+            rows = await self.bus.redis.xpending_range(
                 self.key, self.group, "-", "+", 10_000, consumername=self.name
             )
             ids = [r["message_id"] for r in rows]
             if ids:
-                await self.r.xclaim(
+                await self.bus.redis.xclaim(
                     self.key, self.group, self.name, 0, ids,
                     idle=self.cfg.claim_idle_ms * 10, justid=True,
                 )
@@ -174,7 +172,7 @@ class Consumer(Generic[M]):
                 await _wait_any(self._slot_free, self._stopping)
                 continue
             try:
-                resp = await self.r.xreadgroup(
+                resp = await self.bus.redis.xreadgroup(
                     self.group, self.name, {self.key: ">"},
                     count=min(self.cfg.read_count, free), block=self.cfg.block_ms,
                 )
@@ -201,7 +199,7 @@ class Consumer(Generic[M]):
                 continue
             parsed.append((entry_id, msg, deliveries))
         if self.dedupe and parsed:
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.bus.redis.pipeline(transaction=False)
             for _, msg, _ in parsed:
                 pipe.exists(self.bus.keys.done(self.group, msg.id))
             seen = await pipe.execute()
@@ -266,9 +264,9 @@ class Consumer(Generic[M]):
         if not ids:
             return 0
         if known_deliveries is None:
-            rows = await self.r.xpending_range(self.key, self.group, ids[0], ids[-1], len(ids))
+            rows = await self.bus.redis.xpending_range(self.key, self.group, ids[0], ids[-1], len(ids))
             known_deliveries = {r["message_id"]: int(r["times_delivered"]) for r in rows if r["message_id"] in ids}
-        claimed = await self.r.xclaim(self.key, self.group, self.name, min_idle_ms, ids)
+        claimed = await self.bus.redis.xclaim(self.key, self.group, self.name, min_idle_ms, ids)
         entries = []
         got = set()
         for entry_id, fields in claimed:
@@ -282,7 +280,7 @@ class Consumer(Generic[M]):
         return len(entries)
 
     async def _claim_own_pending(self) -> None:
-        rows = await self.r.xpending_range(
+        rows = await self.bus.redis.xpending_range(
             self.key, self.group, "-", "+", 10_000, consumername=self.name
         )
         if rows:
@@ -308,7 +306,7 @@ class Consumer(Generic[M]):
         """Claim entries idle past `claim_idle_ms`; dead-letter those delivered too often."""
         if self.stopping:
             return 0
-        rows = await self.r.xpending_range(
+        rows = await self.bus.redis.xpending_range(
             self.key, self.group, "-", "+", self.cfg.read_count, idle=self.cfg.claim_idle_ms
         )
         rows = [r for r in rows if r["message_id"] not in self._inflight]
@@ -317,7 +315,7 @@ class Consumer(Generic[M]):
         for r in rows:
             entry_id, n = r["message_id"], int(r["times_delivered"])
             if n >= self.cfg.max_deliveries:
-                data = await self.r.xrange(self.key, entry_id, entry_id)
+                data = await self.bus.redis.xrange(self.key, entry_id, entry_id)
                 raw = data[0][1].get(K.FIELD, "") if data else ""
                 await self._dead(entry_id, raw,
                                  f"delivered {n} times without an ack (consumer {r['consumer']} went silent)", n)
@@ -343,7 +341,7 @@ class Consumer(Generic[M]):
             ids = list(self._inflight)
             if ids:
                 with contextlib.suppress(RedisError):
-                    await self.r.xclaim(self.key, self.group, self.name, 0, ids, justid=True)
+                    await self.bus.redis.xclaim(self.key, self.group, self.name, 0, ids, justid=True)
 
     # -- acks and dead letters ---------------------------------------------------------------
     def _queue_ack(self, entry_id: str, message_id: str | None) -> None:
@@ -366,7 +364,7 @@ class Consumer(Generic[M]):
             return
         batch, self._acks = self._acks, []
         try:
-            pipe = self.r.pipeline(transaction=True)
+            pipe = self.bus.redis.pipeline(transaction=True)
             if self.dedupe:
                 for _, message_id in batch:
                     if message_id is not None:

@@ -5,6 +5,7 @@
     ├── MalformedMessage       a stream message or request body fails validation
     ├── BusError               Redis streams (publish, consume)
     ├── StoreError             the bucket
+    │   ├── ObjectNotFound     the key does not exist (S3 NoSuchKey)
     │   ├── NoCheckpoint       no LATEST / manifest where one was expected
     │   └── ChecksumMismatch   a downloaded file does not match its manifest
     └── EngineError            the inference engine
@@ -36,6 +37,15 @@ class BusError(NextstateError):
 
 class StoreError(NextstateError):
     """A bucket operation failed."""
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist in the bucket (S3 `NoSuchKey`)."""
+
+    def __init__(self, key: str, bucket: str) -> None:
+        super().__init__(f"no object {key!r} in bucket {bucket!r}")
+        self.key = key
+        self.bucket = bucket
 
 
 class NoCheckpoint(StoreError):

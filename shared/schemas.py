@@ -13,6 +13,7 @@ import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from typing_extensions import Self
 
 from shared.errors import MalformedMessage
 
@@ -41,6 +42,7 @@ def describe(exc: ValidationError) -> str:
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    type: str  # each message narrows this to its own literal
     schema_version: Literal[1] = SCHEMA_VERSION
     id: str = Field(default_factory=new_id, min_length=1, max_length=256)
     created_at: float = Field(default_factory=time.time)
@@ -49,7 +51,7 @@ class Message(BaseModel):
         return self.model_dump_json()
 
     @classmethod
-    def from_json(cls: type[M], data: str | bytes) -> M:
+    def from_json(cls, data: str | bytes) -> Self:
         try:
             return cls.model_validate_json(data)
         except ValidationError as exc:

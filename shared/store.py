@@ -47,7 +47,7 @@ from minio.error import InvalidResponseError, MinioException, S3Error, ServerErr
 from pydantic import BaseModel
 from urllib3.util import Retry, Timeout
 
-from shared.errors import StoreError
+from shared.errors import ObjectNotFound, StoreError
 from shared.settings import BucketSettings
 
 log = logging.getLogger(__name__)
@@ -59,14 +59,6 @@ MiB = 1024 * 1024
 CHUNK = 1 * MiB
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
                      "InvalidToken", "ExpiredToken"}
-
-
-class ObjectNotFound(StoreError):
-    """The key does not exist in the bucket (S3 `NoSuchKey`)."""
-
-    def __init__(self, key: str, bucket: str) -> None:
-        super().__init__(f"no object {key!r} in bucket {bucket!r}")
-        self.key = key
 
 
 @dataclass(frozen=True)

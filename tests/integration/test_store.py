@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from shared.errors import StoreError
+from shared.errors import ObjectNotFound, StoreError
 from shared.schemas import LatestPointer
 from shared.settings import BucketSettings, Settings
-from shared.store import AsyncBucket, Bucket, MiB, ObjectNotFound
+from shared.store import AsyncBucket, Bucket, MiB
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration

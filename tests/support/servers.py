@@ -155,7 +155,7 @@ class S3Server:
         ]
         env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key,
                    AWS_SECRET_ACCESS_KEY=self.secret_key)
-        self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
+        self.log = open(self.workdir / "weed.log", "wb")
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         client = Minio(self.endpoint, access_key=self.access_key,
                        secret_key=self.secret_key, secure=False)
@@ -194,7 +194,7 @@ class ServiceProcess:
         env = dict(os.environ)
         env.update(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}", *self.args],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
