@@ -1,0 +1,1 @@
+"""The CPU inference engine: SGLang's native HTTP API (and OpenAI chat) over transformers."""

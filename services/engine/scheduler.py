@@ -1,0 +1,283 @@
+"""The one model thread: admits requests, interleaves them token by token, swaps weights.
+
+The event loop never runs the model. Requests wait in a bounded FIFO; up to
+`max_running` are active at once, and each loop iteration advances every active request
+by one token (each with its own KV cache, batch size 1). That interleaving is how
+concurrent requests share the model here: it is exact — a request computes the very
+same numbers it would alone, so a seeded request samples the same tokens under any
+load — at the price of not batching the matrix multiplies.
+
+A weight swap is a control message to this thread: admission stops, in-flight requests
+finish (or are aborted first when asked), then the model reference is replaced while
+nothing is mid-generation, and admission resumes on the new weights. Pausing freezes
+active requests in place and holds new ones in the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine import metrics
+from services.engine.model import LoadedModel
+from services.engine.request import Job
+from shared.errors import EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Swap:
+    model: LoadedModel
+    version: str
+    in_flight: int
+    done: concurrent.futures.Future[int]
+
+
+class QueueFull(EngineUnavailable):
+    """Every waiting slot is taken: the caller should retry later (HTTP 503)."""
+
+
+class SwapRefused(Exception):
+    """A weight swap cannot happen now (the message says why)."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: LoadedModel,
+        tokenizer: Any,
+        weight_version: str,
+        *,
+        max_running: int,
+        max_queue: int,
+        context_length: int | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.weight_version = weight_version
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self._ctx_override = context_length
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []
+        self._paused = False
+        self._swap: _Swap | None = None
+        self._stopping = False
+        self._closed = False  # no new requests (shutting down)
+        self._thread = threading.Thread(target=self._run, name="engine-model", daemon=True)
+        self._eos = self._eos_ids(model)
+
+    # -- called from the event loop --------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def context_length(self) -> int:
+        return self._ctx_override or self.model.context_length
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping or self._closed:
+                raise EngineUnavailable("the engine is shutting down")
+            if len(self._waiting) >= self.max_queue + max(0, self.max_running - len(self._active)):
+                metrics.REJECTED.inc()
+                raise QueueFull(
+                    f"engine queue is full ({len(self._waiting)} waiting, "
+                    f"{len(self._active)} running); retry later"
+                )
+            self._waiting.append(job)
+            metrics.QUEUE_DEPTH.set(len(self._waiting))
+            self._cond.notify_all()
+
+    def abort(self, job: Job, reason: str) -> None:
+        with self._cond:
+            if job.finish is None and job.abort_reason is None:
+                job.abort_reason = reason
+                self._cond.notify_all()
+
+    def pause(self, abort: bool) -> int:
+        """Hold new requests and freeze active ones; with `abort`, end every request first."""
+        with self._cond:
+            self._paused = True
+            n = self._abort_all_locked("generation paused with mode=abort") if abort else 0
+            self._cond.notify_all()
+            return n
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def swap(self, model: LoadedModel, version: str, *, abort: bool) -> concurrent.futures.Future[int]:
+        """Schedule a swap; the future resolves (to the in-flight count) once it happened."""
+        with self._cond:
+            if self._swap is not None:
+                raise SwapRefused("another weight update is in progress")
+            if self._stopping:
+                raise SwapRefused("the engine is shutting down")
+            running = sum(1 for j in self._active if j.abort_reason is None)
+            if self._paused and running and not abort:
+                raise SwapRefused(
+                    f"generation is paused with {running} request(s) mid-generation; "
+                    "continue_generation first, or pass abort_all_requests=true"
+                )
+            in_flight = self._abort_all_locked("aborted for a weight update") if abort else running
+            self._swap = _Swap(model, version, in_flight, concurrent.futures.Future())
+            self._cond.notify_all()
+            return self._swap.done
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until nothing is queued or running (True), or `timeout` passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._active and not self._waiting, timeout)
+
+    def close(self) -> None:
+        """Refuse new requests from now on (those already here continue)."""
+        with self._cond:
+            self._closed = True
+
+    def stop(self, timeout: float) -> None:
+        with self._cond:
+            self._stopping = True
+            self._abort_all_locked("the engine is shutting down")
+            if self._swap is not None:
+                self._swap.done.set_exception(SwapRefused("the engine is shutting down"))
+                self._swap = None
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def load(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._waiting), len(self._active)
+
+    # -- the model thread -------------------------------------------------------------
+
+    def _abort_all_locked(self, reason: str) -> int:
+        n = 0
+        for job in [*self._active, *self._waiting]:
+            if job.finish is None and job.abort_reason is None:
+                job.abort_reason = reason
+                n += 1
+        return n
+
+    @staticmethod
+    def _eos_ids(model: LoadedModel) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (getattr(model.model, "generation_config", None), model.config):
+            eos = getattr(src, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except Exception:  # pragma: no cover - a bug here must not leave callers hanging
+            log.exception("the engine's model thread crashed")
+            with self._cond:
+                self._stopping = True
+                jobs = [*self._active, *self._waiting]
+            for job in jobs:
+                job.deliver(EngineUnavailable("the engine's model thread crashed"))
+
+    def _iterate(self) -> bool:
+        ended: list[Job] = []
+        runnable: list[Job] = []
+        with self._cond:
+            while True:
+                ended += self._reap_locked()
+                if self._stopping and not self._active and not self._waiting:
+                    break
+                if self._swap is not None and not self._active:
+                    self._do_swap_locked()
+                if not self._paused and self._swap is None:
+                    self._admit_locked()
+                runnable = [] if self._paused else list(self._active)
+                if runnable or ended:
+                    break
+                self._cond.wait()
+            stopping_now = self._stopping and not self._active and not self._waiting
+        for job in ended:
+            self._finish(job)
+        for job in runnable:
+            if job.abort_reason is not None:
+                continue
+            self._advance(job)
+        if any(j.finish is not None for j in runnable):
+            with self._cond:
+                self._active = [j for j in self._active if j.finish is None]
+                metrics.RUNNING.set(len(self._active))
+                self._cond.notify_all()
+        return not stopping_now
+
+    def _reap_locked(self) -> list[Job]:
+        """Take aborted requests out of the queue and the active set."""
+        out = [j for j in (*self._active, *self._waiting) if j.abort_reason is not None]
+        if out:
+            self._active = [j for j in self._active if j.abort_reason is None]
+            self._waiting = collections.deque(j for j in self._waiting if j.abort_reason is None)
+            for job in out:
+                if job.model is None:  # never admitted
+                    job.weight_version, job.tokenizer = self.weight_version, self.tokenizer
+                job.finish = {"type": "abort", "message": job.abort_reason}
+            metrics.QUEUE_DEPTH.set(len(self._waiting))
+            metrics.RUNNING.set(len(self._active))
+            self._cond.notify_all()
+        return out
+
+    def _admit_locked(self) -> None:
+        while self._waiting and len(self._active) < self.max_running:
+            job = self._waiting.popleft()
+            job.bind(self.model, self.weight_version, self.tokenizer, self._eos, self.context_length)
+            self._active.append(job)
+        metrics.QUEUE_DEPTH.set(len(self._waiting))
+        metrics.RUNNING.set(len(self._active))
+
+    def _do_swap_locked(self) -> None:
+        swap, self._swap = self._swap, None
+        assert swap is not None
+        self.model, self.weight_version = swap.model, swap.version
+        self._eos = self._eos_ids(swap.model)
+        log.info("weights swapped", extra={"weight_version": swap.version, "path": swap.model.path})
+        swap.done.set_result(swap.in_flight)
+
+    def _advance(self, job: Job) -> None:
+        try:
+            job.step()
+        except Exception as exc:
+            log.exception("generation step failed", extra={"rid": job.params.rid})
+            job.finish = {"type": "abort", "message": f"internal error: {type(exc).__name__}"}
+            job.deliver(exc)
+            metrics.REQUESTS.labels(status="error").inc()
+            return
+        if job.finish is not None:
+            self._finish(job)
+        elif job.due():
+            job.deliver(job.snapshot())
+
+    def _finish(self, job: Job) -> None:
+        snap = job.snapshot()
+        job.deliver(snap)
+        kind = str((job.finish or {}).get("type", "abort"))
+        metrics.REQUESTS.labels(status=kind).inc()
+        metrics.GENERATED_TOKENS.inc(len(job.output_ids))
+        metrics.PROMPT_TOKENS.inc(len(job.params.input_ids))
+        metrics.LATENCY.observe(time.monotonic() - job.created)
