@@ -1,0 +1,291 @@
+"""The engine interface every service uses, its result types, and the shared HTTP plumbing.
+
+`EngineClient` is what the collector (token-in/token-out generation, streaming), the
+judge (teacher log-probs via `score`) and the watcher (`update_weights`, `model_info`)
+call. Implementations: `SGLangClient` (SGLang, and our CPU engine) and `VLLMClient`.
+
+Every implementation keeps ONE pooled `httpx.AsyncClient` for its whole life and maps
+failures onto shared.errors:
+
+    cannot connect, connection dropped, 5xx   -> EngineUnavailable
+    no answer (or no next chunk) in time      -> EngineTimeout
+    4xx: the request itself is wrong          -> EngineRejected (with .status_code)
+    the engine lacks the feature              -> EngineNotSupported
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import httpx
+
+from shared.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable
+from shared.schemas import SamplingParams
+
+SamplingLike = SamplingParams | Mapping[str, Any]
+_SCHEMA_KEYS = frozenset(SamplingParams.model_fields)
+
+
+class EngineNotSupported(EngineError):
+    """The engine (or its configuration) does not offer this operation; the message says what would."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """One finished generation, exactly as the engine sampled it."""
+
+    text: str
+    output_ids: list[int]
+    output_logprobs: list[float]  # one per output id; empty when log-probs were not asked
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    rid: str | None = None
+    e2e_latency: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """What a stream added since the previous chunk; the last one has `finish_reason`."""
+
+    new_ids: list[int]
+    new_logprobs: list[float]
+    new_text: str
+    text: str  # cumulative text so far
+    finish_reason: str | None = None
+    weight_version: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # cumulative
+    rid: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ChunkJoiner:
+    """Accumulates a stream's chunks into the `GenerateResult` the same request would give."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    last: GenerateChunk | None = None
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.ids += chunk.new_ids
+        self.logprobs += chunk.new_logprobs
+        self.last = chunk
+
+    def result(self) -> GenerateResult:
+        last = self.last
+        if last is None or last.finish_reason is None:
+            raise EngineUnavailable("the stream ended before its final chunk")
+        return GenerateResult(
+            text=last.text,
+            output_ids=list(self.ids),
+            output_logprobs=list(self.logprobs),
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            weight_version=last.weight_version or "",
+            matched_stop=last.matched_stop,
+            rid=last.rid,
+        )
+
+
+async def join_stream(chunks: AsyncIterator[GenerateChunk]) -> GenerateResult:
+    joiner = ChunkJoiner()
+    async for chunk in chunks:
+        joiner.add(chunk)
+    return joiner.result()
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingLike,
+        *,
+        return_logprob: bool = True,
+        stop_token_ids: Iterable[int] | None = None,
+        rid: str | None = None,
+    ) -> GenerateResult: ...
+
+    def stream(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingLike,
+        *,
+        return_logprob: bool = True,
+        stop_token_ids: Iterable[int] | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerateChunk]: ...
+
+    async def score(
+        self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0
+    ) -> list[float]: ...
+
+    async def update_weights(
+        self, model_path: str, weight_version: str, *, abort_all_requests: bool = False
+    ) -> tuple[bool, str]: ...
+
+    async def model_info(self) -> dict[str, Any]: ...
+
+    async def weight_version(self) -> str: ...
+
+    async def health(self) -> bool: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> EngineClient: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+
+def split_sampling(sampling: SamplingLike) -> tuple[SamplingParams, dict[str, Any]]:
+    """Our schema's fields, and the engine-specific extras (e.g. ignore_eos) passed through."""
+    if isinstance(sampling, SamplingParams):
+        return sampling, {}
+    known = {k: v for k, v in sampling.items() if k in _SCHEMA_KEYS}
+    extra = {k: v for k, v in sampling.items() if k not in _SCHEMA_KEYS}
+    return SamplingParams(**known), extra
+
+
+def check_score_range(n: int, start: int) -> None:
+    if not 1 <= start <= n:
+        raise ValueError(f"start must be in [1, {n}] (token 0 has no context), got {start}")
+
+
+class HTTPEngine:
+    """One pooled HTTP client for the life of an engine client, with error mapping."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 120.0,
+        connect_timeout: float = 5.0,
+        max_connections: int = 256,
+        update_timeout: float = 900.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.update_timeout = update_timeout
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- errors -----------------------------------------------------------------------
+
+    def transport_error(self, exc: httpx.HTTPError, what: str) -> EngineError:
+        where = f"{self.base_url}{what}"
+        if isinstance(exc, httpx.ConnectTimeout):
+            return EngineUnavailable(f"cannot connect to the engine at {where} within {self.connect_timeout}s")
+        if isinstance(exc, httpx.TimeoutException):
+            return EngineTimeout(f"the engine at {where} did not answer within {self.timeout}s ({type(exc).__name__})")
+        return EngineUnavailable(f"the engine at {where} is unreachable: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def error_message(body: bytes) -> str:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body.decode(errors="replace")[:500] or "(empty body)"
+        if isinstance(data, dict):
+            err = data.get("error")
+            if isinstance(err, dict) and "message" in err:
+                return str(err["message"])
+            for key in ("message", "detail", "error"):
+                if key in data:
+                    return str(data[key])
+        return str(data)[:500]
+
+    def status_error(self, status: int, body: bytes, what: str) -> EngineError:
+        msg = f"{what}: engine answered {status}: {self.error_message(body)}"
+        if status >= 500:
+            return EngineUnavailable(msg)
+        return EngineRejected(msg, status_code=status)
+
+    # -- requests ---------------------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        ok: Iterable[int] = (),
+    ) -> httpx.Response:
+        """Send and return the response; non-2xx statuses not in `ok` raise mapped errors."""
+        kwargs: dict[str, Any] = {}
+        if json_body is not None:
+            kwargs["content"] = json.dumps(json_body, separators=(",", ":")).encode()
+            kwargs["headers"] = {"content-type": "application/json"}
+        if params:
+            kwargs["params"] = params
+        if timeout is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=self.connect_timeout)
+        try:
+            resp = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self.transport_error(exc, path) from exc
+        if resp.status_code >= 300 and resp.status_code not in set(ok):
+            raise self.status_error(resp.status_code, resp.content, path)
+        return resp
+
+    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        resp = await self.request(method, path, **kwargs)
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise EngineUnavailable(f"{path}: the engine answered with invalid JSON") from exc
+
+    async def sse(self, path: str, payload: Any) -> AsyncIterator[Any]:
+        """POST and yield each `data:` event's JSON until `[DONE]` or the end of the body."""
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        try:
+            async with self._http.stream("POST", path, content=body, headers=headers) as resp:
+                if resp.status_code >= 300:
+                    raise self.status_error(resp.status_code, await resp.aread(), path)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        yield json.loads(data)
+                    except ValueError as exc:
+                        raise EngineUnavailable(f"{path}: malformed stream event {data[:200]!r}") from exc
+        except httpx.HTTPError as exc:
+            raise self.transport_error(exc, path) from exc

@@ -1,0 +1,250 @@
+"""`SGLangClient`: the engine interface over SGLang's native HTTP API (and our CPU engine's).
+
+- generate / stream: `POST /generate` with `input_ids`, `return_logprob`; the sampling
+  seed is sent as SGLang's `sampling_seed`. Streams work whether the server sends
+  cumulative chunks (SGLang's default) or incremental ones
+  (`--incremental-streaming-output`): `completion_tokens` in each chunk tells which.
+- score: `max_new_tokens: 0`, `return_logprob`, `logprob_start_len = start - 1`; SGLang
+  reports the first position of that window as null, so the values are entries 1…
+- update_weights: `POST /update_weights_from_disk`; SGLang answers 400 with
+  `success: false` when the load fails, which is returned, not raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from shared.engine_client.base import (
+    GenerateChunk,
+    GenerateResult,
+    HTTPEngine,
+    SamplingLike,
+    check_score_range,
+    split_sampling,
+)
+from shared.errors import EngineRejected, EngineUnavailable
+
+
+def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None, None
+    if isinstance(fr, dict):
+        matched = fr.get("matched")
+        return str(fr.get("type", "stop")), matched if isinstance(matched, int | str) else None
+    return str(fr), None
+
+
+def _logprob_values(entries: Any, what: str) -> list[float]:
+    out = []
+    for entry in entries or []:
+        if entry[0] is None:
+            raise EngineUnavailable(f"{what}: the engine returned a null log-prob")
+        out.append(float(entry[0]))
+    return out
+
+
+class SGLangClient(HTTPEngine):
+    """Client of SGLang's native API; our CPU engine speaks the same."""
+
+    def __init__(self, base_url: str, *, default_max_tokens: int | None = None, **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self.default_max_tokens = default_max_tokens
+        self._model_info_path = "/model_info"
+
+    def payload(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingLike,
+        *,
+        return_logprob: bool,
+        stop_token_ids: Iterable[int] | None,
+        rid: str | None,
+        stream: bool,
+    ) -> dict[str, Any]:
+        sp, extra = split_sampling(sampling)
+        params: dict[str, Any] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.default_max_tokens
+        if max_tokens is not None:
+            params["max_new_tokens"] = max_tokens
+        if sp.stop:
+            params["stop"] = list(sp.stop)
+        if sp.seed is not None:
+            params["sampling_seed"] = sp.seed
+        if stop_token_ids is not None:
+            params["stop_token_ids"] = list(stop_token_ids)
+        params.update(extra)
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": params,
+            "return_logprob": return_logprob,
+            "stream": stream,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return body
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingLike,
+        *,
+        return_logprob: bool = True,
+        stop_token_ids: Iterable[int] | None = None,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        body = self.payload(
+            input_ids, sampling, return_logprob=return_logprob,
+            stop_token_ids=stop_token_ids, rid=rid, stream=False,
+        )  # fmt: skip
+        out = await self.json("POST", "/generate", json_body=body)
+        meta = out.get("meta_info") or {}
+        ids = [int(t) for t in out.get("output_ids") or []]
+        logprobs = _logprob_values(meta.get("output_token_logprobs"), "/generate") if return_logprob else []
+        if return_logprob and len(logprobs) != len(ids):
+            raise EngineUnavailable(f"/generate: {len(logprobs)} log-probs for {len(ids)} tokens")
+        reason, matched = _finish(meta)
+        return GenerateResult(
+            text=str(out.get("text") or ""),
+            output_ids=ids,
+            output_logprobs=logprobs,
+            finish_reason=reason or "abort",
+            prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
+            completion_tokens=int(meta.get("completion_tokens", len(ids))),
+            weight_version=str(meta.get("weight_version", "")),
+            matched_stop=matched,
+            rid=meta.get("id"),
+            e2e_latency=meta.get("e2e_latency"),
+        )
+
+    async def stream(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingLike,
+        *,
+        return_logprob: bool = True,
+        stop_token_ids: Iterable[int] | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
+        body = self.payload(
+            input_ids, sampling, return_logprob=return_logprob,
+            stop_token_ids=stop_token_ids, rid=rid, stream=True,
+        )  # fmt: skip
+        seen_ids = 0
+        seen_lps = 0
+        text = ""
+        finished = False
+        async for event in self.sse("/generate", body):
+            if "error" in event:
+                err = event["error"] if isinstance(event["error"], dict) else {"message": event["error"]}
+                msg = f"/generate stream: {err.get('message', err)}"
+                if int(err.get("code") or 400) >= 500:
+                    raise EngineUnavailable(msg)
+                raise EngineRejected(msg, status_code=int(err.get("code") or 400))
+            meta = event.get("meta_info") or {}
+            ids = [int(t) for t in event.get("output_ids") or []]
+            total = int(meta.get("completion_tokens", seen_ids + len(ids)))
+            cumulative = total == len(ids) and not (seen_ids and total == seen_ids + len(ids))
+            new_ids = ids[seen_ids:] if cumulative else ids
+            lp_entries = meta.get("output_token_logprobs") or []
+            new_lp_entries = lp_entries[seen_lps:] if cumulative else lp_entries
+            new_lps = _logprob_values(new_lp_entries, "/generate stream") if return_logprob else []
+            chunk_text = event.get("text")
+            if chunk_text is None:
+                new_text = ""
+            elif cumulative:
+                new_text = chunk_text[len(text):] if chunk_text.startswith(text) else chunk_text
+                text = chunk_text
+            else:
+                new_text = chunk_text
+                text += chunk_text
+            seen_ids += len(new_ids)
+            seen_lps += len(new_lp_entries)
+            reason, matched = _finish(meta)
+            if reason is not None:
+                finished = True
+            yield GenerateChunk(
+                new_ids=new_ids,
+                new_logprobs=new_lps,
+                new_text=new_text,
+                text=text,
+                finish_reason=reason,
+                weight_version=meta.get("weight_version"),
+                matched_stop=matched,
+                prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
+                completion_tokens=total,
+                rid=meta.get("id"),
+            )
+            if finished:
+                break
+        if not finished:
+            raise EngineUnavailable("/generate stream ended before its final chunk")
+
+    async def score(self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0) -> list[float]:
+        """Log-probs of input_ids[start:], each given all tokens before it (teacher-forced)."""
+        ids = list(input_ids)
+        check_score_range(len(ids), start)
+        if start == len(ids):
+            return []
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+        }
+        out = await self.json("POST", "/generate", json_body=body)
+        entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
+        window = entries[-(len(ids) - start):]
+        if len(window) != len(ids) - start or [int(e[1]) for e in window] != ids[start:]:
+            raise EngineUnavailable(
+                f"score: expected log-probs for {len(ids) - start} tokens, got {len(entries)} entries"
+            )
+        return _logprob_values(window, "score")
+
+    async def update_weights(
+        self, model_path: str, weight_version: str, *, abort_all_requests: bool = False
+    ) -> tuple[bool, str]:
+        body = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "abort_all_requests": abort_all_requests,
+        }
+        resp = await self.request(
+            "POST", "/update_weights_from_disk", json_body=body, timeout=self.update_timeout, ok=(400,)
+        )
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or "success" not in data:
+            raise self.status_error(resp.status_code, resp.content, "/update_weights_from_disk")
+        return bool(data["success"]), str(data.get("message", ""))
+
+    async def model_info(self) -> dict[str, Any]:
+        if self._model_info_path == "/model_info":
+            resp = await self.request("GET", "/model_info", ok=(404,))
+            if resp.status_code != 404:
+                return dict(resp.json())
+            self._model_info_path = "/get_model_info"  # SGLang releases before /model_info
+        return dict(await self.json("GET", self._model_info_path))
+
+    async def weight_version(self) -> str:
+        resp = await self.request("GET", "/get_weight_version", ok=(404,))
+        if resp.status_code == 404:
+            return str((await self.model_info()).get("weight_version", ""))
+        return str(resp.json().get("weight_version", ""))
+
+    async def health(self) -> bool:
+        try:
+            resp = await self.request("GET", "/health", timeout=min(self.timeout, 10.0), ok=(503,))
+        except Exception:
+            return False
+        return resp.status_code == 200
+
+    async def pause(self, mode: str = "in_place") -> None:
+        """Hold new requests; "in_place" freezes running ones, "abort" ends them (SGLang's modes)."""
+        await self.request("POST", "/pause_generation", json_body={"mode": mode})
+
+    async def resume(self) -> None:
+        await self.request("POST", "/continue_generation", json_body={})
