@@ -16,10 +16,12 @@ tokens (`<|im_start|>`, `<|im_end|>`, `<tool_call>`...), then normalizes,
 pre-tokenizes and runs BPE on each piece between them separately. So if a rendering
 T has such a token ending at character p, then ids(T) = ids(T[:p]) + ids(T[p:]), and
 ids(T[:p]) is the cached ids up to that token whenever the new rendering shares T[:p]
-with the cached one. This holds for a token that (a) no other added token contains
-(else a longer match could span p), (b) does not strip or require whitespace around
-itself (rstrip, single_word) and does not end in whitespace, and (c) is matched before
-normalization (or the tokenizer has no normalizer). The tokenizer is also probed at
+with the cached one. This holds for a token that (a) no other added token can cover
+the end of (by containing it, or by starting inside it and running past it: else a
+match could span p), (b) does not strip or require whitespace around itself (rstrip,
+single_word), does not end in whitespace (nor in a word character, if any added token
+is single_word), and (c) is matched before normalization (or the tokenizer has no
+normalizer). The tokenizer is also probed at
 load: for each candidate, ids(h + token + t) == ids(h + token) + ids(t) on a set of
 heads and tails, which rejects pre-tokenizers that treat the start of the input
 specially (e.g. Metaspace with prepend_scheme="first"). Candidates are the added
@@ -289,8 +291,9 @@ class ChatTemplate:
         template = self.tokenizer.chat_template
         sources = list(template.values()) if isinstance(template, dict) else [template]
         added = dict(self.tokenizer.added_tokens_decoder)
-        contents = [t.content for t in added.values()]
+        others = [t.content for t in added.values() if t.content]
         plain = backend.normalizer is None
+        word_bound = any(t.single_word for t in added.values())
         found: dict[int, str] = {}
         for tid, tok in added.items():
             c = tok.content
@@ -298,7 +301,9 @@ class ChatTemplate:
                 continue
             if tok.rstrip or tok.single_word or (tok.normalized and not plain):
                 continue
-            if any(c != other and c in other for other in contents):
+            if word_bound and (c[-1].isalnum() or c[-1] == "_"):
+                continue  # a single_word token right after it would see a different boundary
+            if any(_crosses_end(c, other) for other in others):
                 continue
             if self._splits_cleanly(tid, c):
                 found[tid] = c
@@ -330,6 +335,19 @@ class ChatTemplate:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens (e.g. the stop token) are dropped by default."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+def _crosses_end(token: str, other: str) -> bool:
+    """Could a match of `other` cover the end of `token`: contain it, or start inside it
+    and run past its end? (Added tokens are matched in two passes, non-normalized then
+    normalized, so an `other` from the first pass can start inside `token`.)"""
+    if other == token:
+        return False
+    if token in other:
+        return True
+    return any(
+        other.startswith(token[k:]) and len(other) > len(token) - k for k in range(1, len(token))
+    )
 
 
 def _generation_config_eos(path: Path) -> list[int]:

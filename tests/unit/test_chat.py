@@ -267,6 +267,22 @@ def test_token_inside_a_longer_added_token_is_never_cut() -> None:
         check_session(tpl, rng, tools=False)
 
 
+def test_token_whose_end_another_token_can_start_inside_is_never_cut(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    build_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    # Matched before "<tool_call>" (non-normalized tokens are split out first): in
+    # "<tool_call>\n{" it wins and "<tool_call>" is not a token at all.
+    tok.add_special_tokens({"additional_special_tokens": ["call>\n{"]})
+    tpl = ChatTemplate(tok)
+    assert "<tool_call>" not in tpl.cut_tokens.values()
+    assert "<|im_end|>" in tpl.cut_tokens.values()
+    _, cache = tpl.encode_text_incremental("<|im_start|>assistant\nok <tool_call>")
+    text = '<|im_start|>assistant\nok <tool_call>\n{"a": 1}'
+    assert tpl.encode_text_incremental(text, cache)[0] == tpl.encode_text(text)
+
+
 # -- normalization and errors ---------------------------------------------------------------
 
 
