@@ -182,6 +182,8 @@ class Consumer(Generic[M]):
                 continue
             entries = resp[0][1] if resp else []
             await self._dispatch([(eid, fields, 1) for eid, fields in entries])
+            if 0 < len(entries) < self.cfg.read_count and self.cfg.linger_ms:
+                await self._sleep(self.cfg.linger_ms / 1000)
 
     async def _dispatch(self, entries: list[tuple[str, dict[str, str] | None, int]]) -> None:
         if not entries:

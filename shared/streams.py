@@ -51,10 +51,11 @@ end
 return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
 """
 
-# Trim below min(safe id, oldest of the newest `retain`), all server-side.
+# Trim below min(safe id, oldest of the newest `retain`), all server-side. Runs only once
+# the stream holds `slack` entries more than `retain`, so the scan is amortized.
 _TRIM_CONSUMED = """
 local retain = tonumber(ARGV[1])
-if redis.call('XLEN', KEYS[1]) <= retain then return 0 end
+if redis.call('XLEN', KEYS[1]) <= retain + tonumber(ARGV[4]) then return 0 end
 local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', retain)
 local oldest = newest[#newest][1]
 local dash = string.find(oldest, '-')
@@ -153,13 +154,17 @@ class Bus:
         await pipe.execute()
 
     # -- retention ------------------------------------------------------------------------
-    async def trim_consumed(self, stream: str, retain: int = 10_000) -> int:
+    async def trim_consumed(self, stream: str, retain: int = 10_000, slack: int | None = None) -> int:
         """Drop entries every group has acknowledged, keeping the newest `retain` anyway.
 
-        A stream without groups is left alone (nobody has consumed anything yet).
-        Returns how many entries were removed.
+        Does nothing until the stream holds `slack` (default `retain`) more entries than
+        `retain`. A stream without groups is left alone (nobody has consumed anything
+        yet). Returns how many entries were removed.
         """
         key = self.keys.stream(stream)
+        slack = retain if slack is None else slack
+        if await self.redis.xlen(key) <= retain + slack:
+            return 0
         groups = await self.redis.xinfo_groups(key)
         if not groups:
             return 0
@@ -172,7 +177,7 @@ class Bus:
                 ms, seq = _parse_id(g["last-delivered-id"])
                 keep_from.append((ms, seq + 1))
         safe = min(keep_from)
-        removed = await self._trim_script(keys=[key], args=[retain, safe[0], safe[1]])
+        removed = await self._trim_script(keys=[key], args=[retain, safe[0], safe[1], slack])
         return int(removed)
 
     # -- inspection (used by `nextstate status` and health checks) -------------------------

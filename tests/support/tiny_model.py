@@ -82,7 +82,7 @@ def build_tokenizer(path: Path, vocab_size: int = 512, seed: int = 0) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(3000, seed), trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
