@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.settings import Settings  # noqa: E402
-from shared.streams import Bus  # noqa: E402
-from tests.support.bus_worker import Ping  # noqa: E402
-from tests.support.servers import REPO, RedisServer  # noqa: E402
+from shared.settings import Settings
+from shared.streams import Bus
+from tests.support.bus_worker import Ping
+from tests.support.servers import REPO, RedisServer
 
 BODY = "x" * 900
 
