@@ -270,22 +270,34 @@ class HTTPEngine:
             raise EngineUnavailable(f"{path}: the engine answered with invalid JSON") from exc
 
     async def sse(self, path: str, payload: Any) -> AsyncIterator[Any]:
-        """POST and yield each `data:` event's JSON until `[DONE]` or the end of the body."""
+        """POST and yield each `data:` event's JSON until `[DONE]` or the end of the body.
+
+        The response is closed in `finally` rather than by `async with client.stream()`:
+        a consumer that abandons the iteration leaves it to the event loop's finalizer,
+        and nested context-manager generators then fail to close ("already running").
+        """
         body = json.dumps(payload, separators=(",", ":")).encode()
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
         try:
-            async with self._http.stream("POST", path, content=body, headers=headers) as resp:
-                if resp.status_code >= 300:
-                    raise self.status_error(resp.status_code, await resp.aread(), path)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    try:
-                        yield json.loads(data)
-                    except ValueError as exc:
-                        raise EngineUnavailable(f"{path}: malformed stream event {data[:200]!r}") from exc
+            resp = await self._http.send(
+                self._http.build_request("POST", path, content=body, headers=headers), stream=True
+            )
         except httpx.HTTPError as exc:
             raise self.transport_error(exc, path) from exc
+        try:
+            if resp.status_code >= 300:
+                raise self.status_error(resp.status_code, await resp.aread(), path)
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                try:
+                    yield json.loads(data)
+                except ValueError as exc:
+                    raise EngineUnavailable(f"{path}: malformed stream event {data[:200]!r}") from exc
+        except httpx.HTTPError as exc:
+            raise self.transport_error(exc, path) from exc
+        finally:
+            await resp.aclose()
