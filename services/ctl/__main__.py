@@ -17,6 +17,7 @@ COMMANDS = (
     "services.ctl.tail",
     "services.ctl.status",
     "services.ctl.dlq",
+    "services.ctl.rollback",
 )
 
 

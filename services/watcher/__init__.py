@@ -1,0 +1,1 @@
+"""The watcher: follows the bucket's LATEST and hot-reloads the engine."""
