@@ -1,0 +1,225 @@
+"""Judge model backends: one chat call with a timeout, bounded retries, one pooled client.
+
+- `OpenAIBackend`: any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM, our
+  engine, a hosted API with a bearer key). `url` may end in `/v1` or not.
+- `SGLangTextBackend`: SGLang's native `/generate` with text in; the judge messages are
+  rendered with the judge model's chat template (`judge_tokenizer`) when given, else
+  as plain "System:/User:/Assistant:" text (base models).
+
+`call(messages)` never raises for a failed call: it returns a `CallResult` whose
+`error` says what happened, so the vote is kept for audit and the caller applies the
+quorum rule. Retried (with doubling, jittered backoff): transport errors, per-attempt
+timeouts, 429 and 5xx. Not retried: other 4xx (the request or the key is wrong),
+and 2xx bodies without an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from services.judge import metrics
+from services.judge.settings import JudgeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    text: str | None  # None: no answer (see error)
+    latency_s: float  # first attempt to last, backoff included
+    error: str | None = None
+    attempts: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.text is not None
+
+
+class CallFailed(Exception):
+    """One attempt failed; `retryable` says whether another attempt may succeed."""
+
+    def __init__(self, message: str, retryable: bool, reason: str) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.reason = reason
+
+
+class JudgeBackend:
+    """Shared plumbing: the pooled client, retries, timeouts. Subclasses build requests."""
+
+    path = ""
+
+    def __init__(self, cfg: JudgeConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.cfg = cfg
+        pool = min(cfg.concurrency * cfg.votes + 8, 4096)
+        headers = {"content-type": "application/json"}
+        if cfg.api_key is not None:
+            headers["authorization"] = f"Bearer {cfg.api_key.get_secret_value()}"
+        self.http = httpx.AsyncClient(
+            base_url=self.base_url(cfg.url),
+            headers=headers,
+            timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            transport=transport,
+        )
+
+    @staticmethod
+    def base_url(url: str) -> str:
+        return url
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> JudgeBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- to implement ---------------------------------------------------------------
+    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def answer(self, data: Any) -> str:
+        """The generated text from a 2xx body; raise CallFailed when it has none."""
+        raise NotImplementedError
+
+    async def health(self) -> None:
+        """Raise unless the judge model answers (for /readyz)."""
+        raise NotImplementedError
+
+    # -- one call -------------------------------------------------------------------------
+    async def call(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> CallResult:
+        payload = json.dumps(self.body(messages), separators=(",", ":")).encode()
+        started = time.perf_counter()
+        attempts = 0
+        while True:
+            attempts += 1
+            t0 = time.perf_counter()
+            try:
+                text = await self._attempt(payload)
+            except CallFailed as exc:
+                metrics.CALL_SECONDS.labels(kind, exc.reason).observe(time.perf_counter() - t0)
+                if not exc.retryable or attempts > self.cfg.retries:
+                    log.debug("judge call failed", extra={"error": str(exc), "attempts": attempts})
+                    return CallResult(None, time.perf_counter() - started, str(exc), attempts)
+                metrics.RETRIES.labels(exc.reason).inc()
+                delay = self.cfg.backoff_s * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
+                await asyncio.sleep(delay)
+                continue
+            metrics.CALL_SECONDS.labels(kind, "ok").observe(time.perf_counter() - t0)
+            return CallResult(text, time.perf_counter() - started, None, attempts)
+
+    async def _attempt(self, payload: bytes) -> str:
+        where = f"{self.http.base_url}{self.path}"
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                resp = await self.http.post(self.path, content=payload)
+        except TimeoutError:
+            raise CallFailed(f"no answer from {where} within {self.cfg.timeout_s}s", True, "timeout") from None
+        except httpx.TimeoutException as exc:
+            raise CallFailed(f"no answer from {where} ({type(exc).__name__})", True, "timeout") from None
+        except httpx.TransportError as exc:
+            raise CallFailed(f"{where} unreachable: {type(exc).__name__}: {exc}", True, "transport") from None
+        status = resp.status_code
+        if status == 429 or status >= 500:
+            raise CallFailed(f"{where} answered {status}: {_snippet(resp)}", True, f"http_{status // 100}xx" if status != 429 else "http_429")
+        if status >= 300:
+            raise CallFailed(
+                f"{where} answered {status}: {_snippet(resp)} (check the model name, URL and API key)",
+                False, "http_4xx",
+            )  # fmt: skip
+        try:
+            data = resp.json()
+        except ValueError:
+            raise CallFailed(f"{where} answered with invalid JSON", False, "bad_body") from None
+        return self.answer(data)
+
+
+def _snippet(resp: httpx.Response) -> str:
+    return resp.text[:300].replace("\n", " ") or "(empty body)"
+
+
+class OpenAIBackend(JudgeBackend):
+    path = "/chat/completions"
+
+    @staticmethod
+    def base_url(url: str) -> str:
+        return url if url.endswith("/v1") else url + "/v1"
+
+    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+        return {
+            "model": self.cfg.model,
+            "messages": list(messages),
+            "temperature": self.cfg.temperature,
+            "max_tokens": self.cfg.max_tokens,
+        }
+
+    def answer(self, data: Any) -> str:
+        try:
+            message = data["choices"][0]["message"]
+        except (KeyError, IndexError, TypeError):
+            raise CallFailed("the answer has no choices[0].message", False, "bad_body") from None
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, str):
+            # Reasoning models may put everything in reasoning_content and leave content null.
+            content = message.get("reasoning_content") if isinstance(message, dict) else None
+        if not isinstance(content, str):
+            raise CallFailed("the answer's message has no text content", False, "bad_body")
+        return content
+
+    async def health(self) -> None:
+        resp = await self.http.get("/models", timeout=5.0)
+        resp.raise_for_status()
+
+
+class SGLangTextBackend(JudgeBackend):
+    path = "/generate"
+
+    def __init__(self, cfg: JudgeConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(cfg, transport)
+        self._template: Any = None
+        if cfg.judge_tokenizer:
+            from shared.chat import ChatTemplate  # transformers: only when asked for
+
+            self._template = ChatTemplate.from_pretrained(cfg.judge_tokenizer)
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        if self._template is not None:
+            return str(self._template.render(list(messages)))
+        parts = [f"{m['role'].capitalize()}:\n{m['content']}" for m in messages]
+        return "\n\n".join(parts) + "\n\nAssistant:\n"
+
+    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+        return {
+            "text": self.render(messages),
+            "sampling_params": {
+                "temperature": self.cfg.temperature,
+                "max_new_tokens": self.cfg.max_tokens,
+            },
+        }
+
+    def answer(self, data: Any) -> str:
+        text = data.get("text") if isinstance(data, dict) else None
+        if not isinstance(text, str):
+            raise CallFailed("the /generate answer has no text", False, "bad_body")
+        return text
+
+    async def health(self) -> None:
+        resp = await self.http.get("/health", timeout=5.0)
+        resp.raise_for_status()
+
+
+def make_backend(cfg: JudgeConfig, transport: httpx.AsyncBaseTransport | None = None) -> JudgeBackend:
+    if cfg.backend == "sglang":
+        return SGLangTextBackend(cfg, transport)
+    return OpenAIBackend(cfg, transport)

@@ -1,0 +1,41 @@
+"""The judge's Prometheus metrics (served on /metrics by shared.telemetry)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+VOTES = Counter(
+    "nextstate_judge_votes_total", "Judge calls by outcome: 1, -1, 0, unparsable or error",
+    ["kind", "outcome"],
+)
+PARSE_FAILURES = Counter(
+    "nextstate_judge_parse_failures_total", "Judge answers without a readable \\boxed{} verdict",
+    ["kind"],
+)
+DISAGREEMENT = Counter(
+    "nextstate_judge_disagreement_total", "Turns whose valid votes were not unanimous", ["kind"]
+)
+CALL_SECONDS = Histogram(
+    "nextstate_judge_call_seconds", "One judge call attempt, by outcome",
+    ["kind", "outcome"],
+    buckets=(0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120),
+)
+RETRIES = Counter(
+    "nextstate_judge_call_retries_total", "Judge call attempts repeated after a transient failure",
+    ["reason"],
+)
+INFLIGHT = Gauge("nextstate_judge_turns_in_flight", "Turns being judged in this process")
+TURNS = Counter(
+    "nextstate_judge_turns_total",
+    "Turns by outcome: scored, unjudged (no next state), side (skipped), failed (raised)",
+    ["outcome"],
+)
+REWARDS = Counter("nextstate_judge_rewards_total", "Published rewards", ["judge", "reward"])
+HINTS = Counter(
+    "nextstate_judge_hints_total", "OPD hint outcomes: accepted, none (no vote gave one), no_user",
+    ["outcome"],
+)
+TEACHER_SECONDS = Histogram(
+    "nextstate_judge_teacher_seconds", "Teacher prompt encoding + log-prob scoring per turn",
+    buckets=(0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+)

@@ -1,0 +1,118 @@
+"""OPD: a hint from hindsight, the teacher prompt it makes, and the teacher's log-probs.
+
+1. m concurrent calls of the hint judge (prompt `hint-v1`): each answers `\\boxed{1}`
+   with a 1–3 sentence hint between [HINT_START] and [HINT_END] when the next state
+   holds a lesson for this response, else `\\boxed{-1}`. Same quorum rule as the PRM.
+2. The accepted hint: among votes that said 1 and carry a non-trivial hint
+   (>= min_hint_chars, with words; cut at max_hint_chars), the longest. None -> no
+   teacher: the teacher fields stay None.
+3. The hint is appended to the LAST user message of the turn's request, and the
+   messages (and tools) are rendered with the POLICY's chat template: teacher_prompt_ids.
+4. One token-in scoring call to the policy engine on teacher_prompt_ids + the turn's
+   own response_ids from len(teacher_prompt_ids): one log-prob per response token,
+   aligned with response_ids (A_t = teacher_lp_t − old_lp_t in the trainer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.judge import metrics
+from services.judge.backend import JudgeBackend
+from services.judge.judges import render_for_judge
+from services.judge.parsing import accepted_hint, extract_hint
+from services.judge.prompts import HINT_PROMPTS, judge_messages, prompt_for
+from services.judge.settings import JudgeConfig
+from services.judge.votes import cast_votes
+from shared.engine_client import EngineClient
+from shared.schemas import Turn, Vote
+
+HINT_FORMAT = "\n\n[Hint] {hint}"
+
+
+@dataclass
+class OPDResult:
+    votes: list[Vote] = field(default_factory=list)
+    hint: str | None = None
+    teacher_prompt_ids: list[int] | None = None
+    teacher_logprobs: list[float] | None = None
+
+
+def best_hint(votes: Sequence[Vote], min_chars: int, max_chars: int) -> str | None:
+    """The longest acceptable hint among votes that said 1."""
+    hints = [
+        h for v in votes if v.score == 1
+        if (h := accepted_hint(extract_hint(v.text), min_chars, max_chars)) is not None
+    ]  # fmt: skip
+    return max(hints, key=len) if hints else None
+
+
+def with_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str, Any]] | None:
+    """A copy of `messages` with the hint added to the last user message (None: no user message)."""
+    out = copy.deepcopy(list(messages))
+    for message in reversed(out):
+        if message.get("role") != "user":
+            continue
+        suffix = HINT_FORMAT.format(hint=hint)
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = [*content, {"type": "text", "text": suffix.lstrip("\n")}]
+        else:
+            message["content"] = (content or "") + suffix
+        return out
+    return None
+
+
+class Teacher:
+    """Hint votes + teacher log-probs for one turn. `template` is a shared.chat.ChatTemplate."""
+
+    def __init__(self, backend: JudgeBackend, engine: EngineClient, template: Any, cfg: JudgeConfig) -> None:
+        self.backend = backend
+        self.engine = engine
+        self.template = template
+        self.cfg = cfg
+        self.prompt = prompt_for(cfg.hint_prompt_version, HINT_PROMPTS)
+        # One thread: the tokenizer is used from one thread at a time, off the event loop.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-encode")
+
+    def close(self) -> None:
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def prompt_version(self) -> str:
+        return self.prompt.version
+
+    async def run(self, turn: Turn) -> OPDResult:
+        messages = judge_messages(self.prompt, render_for_judge(turn, self.cfg))
+        votes = await cast_votes(self.backend, messages, self.cfg.votes, self.cfg.needed, "hint")
+        hint = best_hint(votes, self.cfg.min_hint_chars, self.cfg.max_hint_chars)
+        if hint is None:
+            metrics.HINTS.labels("none").inc()
+            return OPDResult(votes=votes)
+        teacher_messages = with_hint(turn.messages, hint)
+        if teacher_messages is None or not turn.response_ids:
+            metrics.HINTS.labels("no_user" if teacher_messages is None else "no_response_ids").inc()
+            return OPDResult(votes=votes, hint=hint)
+        metrics.HINTS.labels("accepted").inc()
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        prompt_ids: list[int] = await loop.run_in_executor(
+            self._encoder, self.template.encode, teacher_messages, turn.tools
+        )
+        logprobs = await self.engine.score(
+            prompt_ids + list(turn.response_ids), len(prompt_ids), temperature=self.temperature(turn)
+        )
+        metrics.TEACHER_SECONDS.observe(time.perf_counter() - started)
+        return OPDResult(votes=votes, hint=hint, teacher_prompt_ids=prompt_ids, teacher_logprobs=logprobs)
+
+    def temperature(self, turn: Turn) -> float:
+        if self.cfg.teacher_temperature is not None:
+            return self.cfg.teacher_temperature
+        t = turn.sampling.temperature
+        return t if t > 0 else 1.0

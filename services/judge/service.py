@@ -1,0 +1,196 @@
+"""The judge worker: `turns` in (consumer group `judge`), `ScoredTurn`s out to `scored`.
+
+Per turn:
+- side turn (`turn_type == "side"`): acknowledged, nothing published.
+- no next state (None or empty: the session ended, the turn expired): a ScoredTurn with
+  `judged=False`, reward 0, no calls — the buffer's at-least-one rule needs to see it.
+- otherwise, by `mode`: `rl` runs the configured judge (reward); `opd` runs the hint
+  judge and the teacher scoring (reward 0); `combine` runs both concurrently. In
+  combine, `votes` holds the reward votes first, then the hint votes, and
+  `prompt_version` names both ("prm-v1+hint-v1").
+
+The ScoredTurn's id is the turn's id, so a redelivered turn that is judged twice is
+deduplicated downstream. Any failure (quorum not met, plugin error, engine down)
+raises: the entry stays pending, is retried with backoff and dead-lettered after
+`streams.max_deliveries`. Publishing waits (bounded) for room when `scored` is over
+its bound rather than dropping a judged turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from contextlib import AsyncExitStack
+from typing import Any
+
+from services.judge import metrics
+from services.judge.backend import JudgeBackend, make_backend
+from services.judge.judges import Judge, Verdict, build_judge
+from services.judge.opd import OPDResult, Teacher
+from services.judge.settings import JudgeConfig, JudgeSettings
+from shared import keys as K
+from shared.consumer import Consumer, Delivery, default_consumer_name, stop_on_signals
+from shared.errors import BusError
+from shared.schemas import ScoredTurn, Turn
+from shared.streams import Bus
+from shared.telemetry import Check, serve_ops
+
+log = logging.getLogger(__name__)
+
+
+class JudgeService:
+    def __init__(
+        self, cfg: JudgeConfig, bus: Bus, judge: Judge | None, teacher: Teacher | None
+    ) -> None:
+        if cfg.mode != "opd" and judge is None:
+            raise ValueError(f"mode {cfg.mode} needs a reward judge")
+        if cfg.mode != "rl" and teacher is None:
+            raise ValueError(f"mode {cfg.mode} needs a teacher")
+        self.cfg = cfg
+        self.bus = bus
+        self.judge = judge
+        self.teacher = teacher
+
+    async def handle(self, turn: Turn, delivery: Delivery) -> None:
+        if turn.turn_type == "side":
+            metrics.TURNS.labels("side").inc()
+            return
+        metrics.INFLIGHT.inc()
+        started = time.perf_counter()
+        try:
+            scored = await self.score(turn)
+            await self.publish(scored)
+        except Exception:
+            metrics.TURNS.labels("failed").inc()
+            raise
+        finally:
+            metrics.INFLIGHT.dec()
+        metrics.TURNS.labels("scored" if scored.judged else "unjudged").inc()
+        metrics.REWARDS.labels(scored.judge, str(scored.reward)).inc()
+        log.debug(
+            "turn judged",
+            extra={"turn_id": turn.id, "session_id": turn.session_id, "reward": scored.reward,
+                   "judged": scored.judged, "hint": scored.hint is not None,
+                   "deliveries": delivery.deliveries, "seconds": round(time.perf_counter() - started, 3)},
+        )  # fmt: skip
+
+    async def score(self, turn: Turn) -> ScoredTurn:
+        if not turn.next_state:
+            return ScoredTurn(
+                id=turn.id, turn=turn, reward=0, judged=False, mode=self.cfg.mode,
+                judge=self.judge.name if self.judge is not None else "opd",
+            )  # fmt: skip
+        verdict: Verdict | None = None
+        opd: OPDResult | None = None
+        if self.cfg.mode == "rl":
+            assert self.judge is not None
+            verdict = await self.judge.judge(turn)
+        elif self.cfg.mode == "opd":
+            assert self.teacher is not None
+            opd = await self.teacher.run(turn)
+        else:
+            assert self.judge is not None and self.teacher is not None
+            verdict, opd = await asyncio.gather(self.judge.judge(turn), self.teacher.run(turn))
+        return self.assemble(turn, verdict, opd)
+
+    def assemble(self, turn: Turn, verdict: Verdict | None, opd: OPDResult | None) -> ScoredTurn:
+        fields: dict[str, Any] = {"id": turn.id, "turn": turn, "mode": self.cfg.mode, "reward": 0}
+        votes = []
+        versions = []
+        if verdict is not None:
+            fields.update(reward=verdict.reward, judge=verdict.judge, judge_model=verdict.judge_model)
+            votes += verdict.votes
+            if verdict.prompt_version:
+                versions.append(verdict.prompt_version)
+        if opd is not None:
+            assert self.teacher is not None
+            votes += opd.votes
+            versions.append(self.teacher.prompt_version)
+            fields.update(
+                hint=opd.hint,
+                teacher_prompt_ids=opd.teacher_prompt_ids,
+                teacher_logprobs=opd.teacher_logprobs,
+                judge_model=self.cfg.model,
+            )
+            fields["judge"] = "opd" if verdict is None else f"{verdict.judge}+opd"
+        return ScoredTurn(
+            **fields, votes=votes, prompt_version="+".join(versions) if versions else None
+        )
+
+    async def publish(self, scored: ScoredTurn) -> None:
+        """Add to `scored`; when it is full, wait (bounded) for the buffer to catch up."""
+        data = scored.to_json()
+        deadline = time.monotonic() + self.cfg.publish_wait_s
+        delay = 0.1
+        while await self.bus.publish_raw(K.SCORED, data) is None:
+            if time.monotonic() + delay > deadline:
+                raise BusError(
+                    f"{K.SCORED} stayed over its bound for {self.cfg.publish_wait_s}s: "
+                    "is the buffer consuming it?"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def run(settings: JudgeSettings) -> None:
+    """Run one judge worker until SIGTERM/SIGINT (then finish or hand back in-flight turns)."""
+    cfg = settings.judge
+    async with AsyncExitStack() as stack:
+        bus = await stack.enter_async_context(Bus(settings))
+        checks: dict[str, Check] = {"redis": bus.ping}
+        backend: JudgeBackend | None = None
+        if cfg.uses_llm:
+            backend = await stack.enter_async_context(make_backend(cfg))
+            checks["judge"] = backend.health
+        judge = build_judge(cfg, backend) if cfg.mode != "opd" else None
+        teacher = await _teacher(cfg, backend, stack, checks) if cfg.mode != "rl" else None
+        service = JudgeService(cfg, bus, judge, teacher)
+        consumer = Consumer(
+            bus, K.TURNS, K.GROUP_JUDGE, Turn, service.handle,
+            name=cfg.consumer_name or default_consumer_name("judge"),
+            concurrency=cfg.concurrency,
+        )  # fmt: skip
+        ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks), name="ops")
+        ops.add_done_callback(lambda _: consumer.stop())  # the ops server died: stop too
+        stop_on_signals(consumer)
+        log.info(
+            "judge started",
+            extra={"judge": cfg.type, "mode": cfg.mode, "backend": cfg.backend, "model": cfg.model,
+                   "votes": cfg.votes, "quorum": cfg.needed, "concurrency": cfg.concurrency,
+                   "prompt_version": cfg.prompt_version, "ops_port": cfg.port},
+        )  # fmt: skip
+        try:
+            await consumer.run()
+        finally:
+            if not ops.done():
+                ops.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(ops, return_exceptions=True)
+        if ops.done() and not ops.cancelled() and ops.exception() is not None:
+            raise RuntimeError(f"the ops server on {cfg.host}:{cfg.port} failed") from ops.exception()
+
+
+async def _teacher(
+    cfg: JudgeConfig, backend: JudgeBackend | None, stack: AsyncExitStack, checks: dict[str, Check]
+) -> Teacher:
+    from shared.chat import ChatTemplate
+    from shared.engine_client import make_engine_client
+
+    assert backend is not None and cfg.engine_url is not None and cfg.tokenizer is not None
+    template = await asyncio.to_thread(ChatTemplate.from_pretrained, cfg.tokenizer)
+    engine = make_engine_client(
+        cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
+        max_connections=min(cfg.concurrency, 1024),
+    )  # fmt: skip
+    stack.push_async_callback(engine.aclose)
+
+    async def engine_ready() -> None:
+        if not await engine.health():
+            raise ConnectionError(f"the policy engine at {cfg.engine_url} is not healthy")
+
+    checks["engine"] = engine_ready
+    teacher = Teacher(backend, engine, template, cfg)
+    stack.callback(teacher.close)
+    return teacher

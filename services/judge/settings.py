@@ -1,0 +1,138 @@
+"""The judge's configuration: `NEXTSTATE_JUDGE__*` on top of the shared settings.
+
+    NEXTSTATE_JUDGE__TYPE=prm            prm | rule | rule+prm | module:callable (a plugin)
+    NEXTSTATE_JUDGE__MODE=rl             rl (reward) | opd (hint + teacher log-probs) | combine (both)
+    NEXTSTATE_JUDGE__BACKEND=openai      openai (any /v1/chat/completions) | sglang (native /generate, text in)
+    NEXTSTATE_JUDGE__URL=http://127.0.0.1:30000      with or without a trailing /v1
+    NEXTSTATE_JUDGE__MODEL=judge         the model name sent to an OpenAI-compatible server
+    NEXTSTATE_JUDGE__API_KEY=...         bearer key for hosted APIs (never logged)
+    NEXTSTATE_JUDGE__VOTES=3             calls per turn, run concurrently; majority wins
+    NEXTSTATE_JUDGE__QUORUM=             calls that must answer (default: a majority of VOTES)
+    NEXTSTATE_JUDGE__TEMPERATURE=0.6     NEXTSTATE_JUDGE__MAX_TOKENS=1024
+    NEXTSTATE_JUDGE__TIMEOUT_S=60        per call, all attempts of one call share nothing
+    NEXTSTATE_JUDGE__RETRIES=2           extra attempts on transport errors, timeouts, 5xx, 429
+    NEXTSTATE_JUDGE__CONCURRENCY=256     turns in flight in this process
+    NEXTSTATE_JUDGE__ENGINE_URL=...      the policy engine, for OPD teacher log-probs
+    NEXTSTATE_JUDGE__TOKENIZER=...       the policy's tokenizer folder, for OPD teacher prompts
+    NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
+    NEXTSTATE_JUDGE__HOST=127.0.0.1      NEXTSTATE_JUDGE__PORT=9102   (/healthz /readyz /metrics)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+
+from shared.schemas import Mode
+from shared.settings import Settings
+
+BUILTIN_JUDGES = ("prm", "rule", "rule+prm")
+_PLUGIN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+DEFAULT_POSITIVE = (
+    r"\bthanks?\b", r"\bthank you\b", r"\bperfect\b", r"\b(?<!not )(?<!doesn't )(?<!does not )works?\b",
+    r"\bworked\b", r"(?<!not )\bcorrect\b", r"\bgreat\b", r"\bexit code:? 0\b",
+    r"\bsuccess(ful(ly)?)?\b", r"\blooks good\b",
+)  # fmt: skip
+DEFAULT_NEGATIVE = (
+    r"\bwrong\b", r"\bagain\b", r"\bretry\b", r"\berror\b", r"\btraceback\b", r"\bnot what i\b",
+    r"\bincorrect\b", r"\bnot correct\b", r"\bdoes(n't| not) work\b", r"\bfail(ed|ure|s)?\b",
+    r"\bexception\b", r"\bexit code:? [1-9]\d*\b", r"\bthat's not\b",
+)  # fmt: skip
+
+
+class JudgeConfig(BaseModel):
+    type: str = Field("prm", description="prm | rule | rule+prm | module:callable")
+    mode: Mode = "rl"
+    # -- the judge model ----------------------------------------------------------
+    backend: Literal["openai", "sglang"] = "openai"
+    url: str = "http://127.0.0.1:30000"
+    model: str = "default"
+    api_key: SecretStr | None = None
+    judge_tokenizer: str | None = Field(
+        None, description="sglang backend: render the judge prompt with this model's chat template"
+    )
+    votes: int = Field(3, ge=1, le=32)
+    quorum: int | None = Field(None, ge=1, description="answered calls needed (default: votes//2+1)")
+    temperature: float = Field(0.6, ge=0)
+    max_tokens: int = Field(1024, ge=1)
+    timeout_s: float = Field(60.0, gt=0, description="one call, one attempt")
+    connect_timeout_s: float = Field(5.0, gt=0)
+    retries: int = Field(2, ge=0, le=10, description="extra attempts per call")
+    backoff_s: float = Field(0.5, ge=0, description="first retry delay; doubles each time")
+    concurrency: int = Field(256, ge=1, le=10_000, description="turns in flight per process")
+    prompt_version: str = "prm-v1"
+    hint_prompt_version: str = "hint-v1"
+    max_response_chars: int = Field(4000, ge=200)
+    max_next_state_chars: int = Field(3000, ge=200)
+    max_context_chars: int = Field(1200, ge=0)
+    # -- rule judge -------------------------------------------------------------------
+    positive: list[str] = Field(default_factory=lambda: list(DEFAULT_POSITIVE))
+    negative: list[str] = Field(default_factory=lambda: list(DEFAULT_NEGATIVE))
+    # -- OPD ----------------------------------------------------------------------------
+    engine_url: str | None = None
+    engine_kind: Literal["sglang", "vllm"] = "sglang"
+    engine_timeout_s: float = Field(120.0, gt=0)
+    tokenizer: str | None = Field(None, description="policy tokenizer folder for teacher prompts")
+    teacher_temperature: float | None = Field(
+        None, gt=0, description="default: the turn's sampling temperature (1.0 when it was 0)"
+    )
+    min_hint_chars: int = Field(12, ge=1)
+    max_hint_chars: int = Field(800, ge=20)
+    # -- process --------------------------------------------------------------------------
+    consumer_name: str | None = Field(None, description="stable name to reclaim own work on restart")
+    publish_wait_s: float = Field(30.0, ge=0, description="wait this long for room in `scored`")
+    host: str = "127.0.0.1"
+    port: int = Field(9102, ge=0, le=65535)
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v: str) -> str:
+        if v not in BUILTIN_JUDGES and not _PLUGIN.fullmatch(v):
+            raise ValueError(
+                f"one of {', '.join(BUILTIN_JUDGES)} or a plugin as module:callable, got {v!r}"
+            )
+        return v
+
+    @field_validator("url", "engine_url")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/") if v is not None else None
+
+    @field_validator("positive", "negative")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JudgeConfig:
+        if self.quorum is not None and self.quorum > self.votes:
+            raise ValueError(f"quorum {self.quorum} exceeds votes {self.votes}")
+        if self.mode in ("opd", "combine"):
+            missing = [n for n in ("engine_url", "tokenizer") if getattr(self, n) is None]
+            if missing:
+                names = " and ".join(f"NEXTSTATE_JUDGE__{n.upper()}" for n in missing)
+                raise ValueError(f"mode {self.mode} needs {names} (teacher log-probs)")
+        return self
+
+    @property
+    def needed(self) -> int:
+        """Calls that must answer for a vote to stand (the partial-failure rule)."""
+        return self.quorum if self.quorum is not None else self.votes // 2 + 1
+
+    @property
+    def uses_llm(self) -> bool:
+        return self.type in ("prm", "rule+prm") or self.mode in ("opd", "combine")
+
+
+class JudgeSettings(Settings):
+    judge: JudgeConfig = JudgeConfig()
