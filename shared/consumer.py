@@ -55,6 +55,15 @@ RECLAIMED = Counter(
     "nextstate_consumer_reclaimed_total", "Entries claimed from silent consumers", ["stream", "group"]
 )
 INFLIGHT = Gauge("nextstate_consumer_inflight", "Handlers running now", ["stream", "group"])
+GROUP_LAG = Gauge(
+    "nextstate_stream_group_lag", "Entries not yet delivered to the group (as seen by a consumer)",
+    ["stream", "group"],
+)
+GROUP_PENDING = Gauge(
+    "nextstate_stream_group_pending", "Entries delivered to the group but not acknowledged",
+    ["stream", "group"],
+)
+STREAM_LENGTH = Gauge("nextstate_stream_length", "Entries in the stream", ["stream"])
 HANDLE_SECONDS = Histogram(
     "nextstate_consumer_handle_seconds", "Handler duration", ["stream", "group"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
@@ -300,9 +309,18 @@ class Consumer(Generic[M]):
             try:
                 await self.reclaim_idle()
                 await self.bus.trim_consumed(self.stream)
+                await self._export_backlog()
             except RedisError as exc:
                 log.warning("janitor pass failed", extra={"error": str(exc)})
             await self._sleep(interval)
+
+    async def _export_backlog(self) -> None:
+        """Publish every group's lag and pending of this stream as gauges (for dashboards)."""
+        STREAM_LENGTH.labels(self.stream).set(await self.bus.redis.xlen(self.key))
+        for g in await self.bus.redis.xinfo_groups(self.key):
+            if g.get("lag") is not None:
+                GROUP_LAG.labels(self.stream, g["name"]).set(int(g["lag"]))
+            GROUP_PENDING.labels(self.stream, g["name"]).set(int(g["pending"]))
 
     async def reclaim_idle(self) -> int:
         """Claim entries idle past `claim_idle_ms`; dead-letter those delivered too often."""
