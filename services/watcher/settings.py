@@ -26,7 +26,7 @@ class WatcherConfig(BaseModel):
     # re-publish may fix it); the engine keeps serving meanwhile.
     retry_bad_after_s: float = Field(60.0, ge=0)
     host: str = "127.0.0.1"
-    port: int = Field(8030, ge=0, le=65535)
+    port: int = Field(9104, ge=0, le=65535)
 
 
 class WatcherSettings(Settings):
