@@ -1,0 +1,1 @@
+"""The buffer: scored turns → training samples and batches, archive, pull API, imports."""

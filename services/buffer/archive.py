@@ -1,0 +1,175 @@
+"""Archive every published sample to the bucket as rolling gzip JSONL, off the hot path.
+
+`offer(batch)` is synchronous and never waits: it appends the batch's samples to the
+open roll. A roll is sealed when it holds `roll_samples` samples or its first sample is
+`roll_s` old, then compressed (in a thread) and uploaded by a background task:
+
+    samples/<run>/<YYYY-MM-DD>/<first sample ms>-<instance>-<seq>.jsonl.gz
+
+one `TrainSample` JSON per line. A failed upload is retried with backoff and counted;
+batching never waits for it. If the bucket stays away long enough that more than
+`max_pending` sealed rolls pile up, the oldest is dropped (counted, logged): the
+archive is a record, never a brake on training.
+
+Only published samples are archived, once each (the buffer offers a batch after it is
+on `batches`). What a SIGKILL interrupts — the open roll and unsent rolls — is lost
+from the archive (not from training); `close()` on a graceful stop seals and uploads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import gzip
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.buffer import metrics as M
+from shared.checkpoints import samples_prefix
+from shared.schemas import TrainBatch, TrainSample
+from shared.store import AsyncBucket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Roll:
+    seq: int
+    lines: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Sealed:
+    key: str
+    lines: tuple[str, ...]
+
+
+def encode(lines: tuple[str, ...] | list[str]) -> bytes:
+    return gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=6)
+
+
+def decode(data: bytes) -> list[TrainSample]:
+    """The samples of one archive object (for tools and tests)."""
+    text = gzip.decompress(data).decode()
+    return [TrainSample.from_json(line) for line in text.splitlines() if line]
+
+
+class Archiver:
+    def __init__(
+        self,
+        bucket: AsyncBucket,
+        run: str,
+        *,
+        roll_samples: int,
+        roll_s: float,
+        max_pending: int,
+        retry_max_s: float,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = samples_prefix(run)
+        self.roll_samples = roll_samples
+        self.roll_s = roll_s
+        self.max_pending = max_pending
+        self.retry_max_s = retry_max_s
+        self.instance = uuid.uuid4().hex[:8]
+        self._seq = 0
+        self._roll = _Roll(seq=0)
+        self._sealed: deque[Sealed] = deque()
+        self._wake = asyncio.Event()
+        self._closing = False
+
+    # -- the hot path: synchronous, O(samples) ----------------------------------------
+    def offer(self, batch: TrainBatch) -> None:
+        if not self._roll.lines:
+            self._roll.started = time.time()
+        self._roll.lines.extend(s.to_json() for s in batch.samples)
+        if len(self._roll.lines) >= self.roll_samples:
+            self._seal()
+
+    @property
+    def backlog(self) -> int:
+        """Samples not yet uploaded (open roll + sealed rolls)."""
+        return len(self._roll.lines) + sum(len(s.lines) for s in self._sealed)
+
+    def _seal(self) -> None:
+        roll = self._roll
+        self._seq += 1
+        self._roll = _Roll(seq=self._seq)
+        if not roll.lines:
+            return
+        day = dt.datetime.fromtimestamp(roll.started, dt.timezone.utc).strftime("%Y-%m-%d")
+        key = f"{self.prefix}{day}/{int(roll.started * 1000)}-{self.instance}-{roll.seq:06d}.jsonl.gz"
+        self._sealed.append(Sealed(key, tuple(roll.lines)))
+        while len(self._sealed) > self.max_pending:
+            dropped = self._sealed.popleft()
+            M.ARCHIVE_DROPPED.inc(len(dropped.lines))
+            log.error("archive backlog full, dropping the oldest roll",
+                      extra={"key": dropped.key, "samples": len(dropped.lines)})
+        self._wake.set()
+
+    # -- the background task ------------------------------------------------------------
+    async def run(self) -> None:
+        """Seal rolls when due and upload them, until `close()`."""
+        delay = 0.1
+        while True:
+            if self._roll.lines and time.time() - self._roll.started >= self.roll_s:
+                self._seal()
+            if self._sealed:
+                ok = await self._upload(self._sealed[0])
+                if ok:
+                    self._sealed.popleft()
+                    delay = 0.1
+                    continue
+                if self._closing:
+                    return
+                await self._sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+                continue
+            if self._closing:
+                return
+            await self._sleep(self._until_due())
+
+    def _until_due(self) -> float:
+        if not self._roll.lines:
+            return self.roll_s
+        return max(0.0, self._roll.started + self.roll_s - time.time())
+
+    async def _sleep(self, seconds: float) -> None:
+        self._wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+    async def _upload(self, sealed: Sealed) -> bool:
+        try:
+            data = await asyncio.to_thread(encode, sealed.lines)
+            await self.bucket.put_bytes(sealed.key, data, content_type="application/gzip")
+        except Exception as exc:
+            M.ARCHIVE_FAILURES.inc()
+            log.warning("archive upload failed, will retry",
+                        extra={"key": sealed.key, "samples": len(sealed.lines), "error": str(exc)})
+            return False
+        M.ARCHIVE_UPLOADS.inc()
+        M.ARCHIVED.inc(len(sealed.lines))
+        log.info("archived samples", extra={"key": sealed.key, "samples": len(sealed.lines)})
+        return True
+
+    async def close(self, task: asyncio.Task[None], timeout: float) -> None:
+        """Seal the open roll, give uploads `timeout` seconds (one try each), count the rest."""
+        self._seal()
+        self._closing = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except asyncio.TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        lost = self.backlog
+        if lost:
+            M.ARCHIVE_DROPPED.inc(lost)
+            log.error("archive not uploaded before shutdown", extra={"samples": lost})

@@ -1,0 +1,51 @@
+"""The buffer's Prometheus metrics, in one place so every module counts the same way."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+SAMPLES = Counter(
+    "nextstate_buffer_samples_total", "Samples kept (forced: by the at-least-one rule)", ["kind"]
+)
+EXCLUDED = Counter(
+    "nextstate_buffer_excluded_total", "Scored turns that did not become a sample", ["reason"]
+)
+STALE = Counter(
+    "nextstate_buffer_stale_dropped_total",
+    "Samples dropped for being more than max_staleness versions behind the trainer",
+)
+DUPLICATES = Counter(
+    "nextstate_buffer_duplicate_turns_total", "Scored turns whose turn id was already batched"
+)
+BATCHES = Counter("nextstate_buffer_batches_total", "TrainBatches published")
+BATCH_SIZE = Histogram(
+    "nextstate_buffer_batch_size", "Samples per published batch",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+BATCH_WAIT = Histogram(
+    "nextstate_buffer_batch_wait_seconds", "Oldest sample's wait until its batch was published",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+PUBLISH_RETRIES = Counter(
+    "nextstate_buffer_publish_retries_total", "Batch publishes retried (stream full or Redis error)"
+)
+PENDING = Gauge("nextstate_buffer_pending_samples", "Samples waiting for their batch")
+
+ARCHIVED = Counter("nextstate_buffer_archived_samples_total", "Samples uploaded to the archive")
+ARCHIVE_UPLOADS = Counter("nextstate_buffer_archive_uploads_total", "Archive objects uploaded")
+ARCHIVE_FAILURES = Counter(
+    "nextstate_buffer_archive_upload_failures_total", "Archive uploads that failed (retried)"
+)
+ARCHIVE_DROPPED = Counter(
+    "nextstate_buffer_archive_dropped_samples_total",
+    "Samples never archived: the upload backlog overflowed or shutdown came first",
+)
+
+PULLED = Counter("nextstate_buffer_pulled_batches_total", "Batches served by GET /get_data")
+IMPORTED = Counter(
+    "nextstate_buffer_import_turns_total", "Imported turns by outcome (published, side, untrainable)",
+    ["outcome"],
+)
+IMPORT_REJECTED = Counter(
+    "nextstate_buffer_import_rejected_requests_total", "POST /receive requests refused with 400"
+)

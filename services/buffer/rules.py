@@ -1,0 +1,104 @@
+"""Which scored turns become training samples, and what a sample holds: pure functions.
+
+Inclusion (DESIGN.md "Rewards and advantages"):
+
+- a side turn, or a turn without response tokens, is never a sample;
+- a turn without a next state (`judged=False`) is excluded;
+- rl: the reward must be non-zero (A = r, so r = 0 teaches nothing);
+  opd: teacher log-probs must be present (A = teacher - old);
+  combine: either of the two.
+
+At least one sample per session: a session's *final* turn (closed by `session_done` or
+`ttl`, or without a next state) that the rules above exclude is kept anyway, flagged
+`forced=True`, when the session has produced fewer than `min_samples_per_session`
+samples. A forced sample has `loss_mask` = 1 on every response token and the turn's own
+reward, which for a forced turn is 0 in rl mode (else it would have been included) and
+whatever the judge gave otherwise, without teacher log-probs if it had none. So its
+policy-gradient term is zero (A = 0 in rl; the trainer must treat missing teacher
+log-probs as A = 0 in opd/combine) while the KL-to-reference term and the token-mean
+still count it: the session trains, anchored to the reference, in no direction the
+data did not support. A mask of 0 instead would make "at least one sample trains"
+empty words (OpenClaw-RL likewise promotes such a turn to loss_mask = 1).
+
+Staleness: a sample whose behaviour log-probs come from a policy more than
+`max_staleness` versions behind the trainer is dropped. A sample without behaviour
+log-probs (imported text) is exempt: the trainer uses its own log-probs for it, so it
+is on-policy by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.schemas import Mode, ScoredTurn, TrainSample
+
+FINAL_CLOSES = frozenset({"session_done", "ttl"})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the rules say about one scored turn, before any session or staleness check."""
+
+    eligible: bool
+    reason: str | None  # why it is not eligible (a metric label), None when eligible
+    final: bool  # the session's last turn: the at-least-one rule may keep it
+    buildable: bool  # a sample can be built at all (main turn with response tokens)
+
+    @property
+    def may_force(self) -> bool:
+        return self.buildable and not self.eligible and self.final
+
+
+def is_final(scored: ScoredTurn) -> bool:
+    """The session's last turn: closed by session end or expiry, or nothing came after it."""
+    turn = scored.turn
+    return turn.closed_by in FINAL_CLOSES or turn.next_state is None or not scored.judged
+
+
+def classify(scored: ScoredTurn, mode: Mode) -> Verdict:
+    turn = scored.turn
+    final = is_final(scored)
+    if turn.turn_type != "main":
+        return Verdict(False, "side", final, buildable=False)
+    if not turn.response_ids:
+        return Verdict(False, "no_tokens", final, buildable=False)
+    if not scored.judged:
+        return Verdict(False, "no_next_state", final, buildable=True)
+    has_teacher = scored.teacher_logprobs is not None
+    if mode == "rl" and scored.reward == 0:
+        return Verdict(False, "zero_reward", final, buildable=True)
+    if mode == "opd" and not has_teacher:
+        return Verdict(False, "no_teacher", final, buildable=True)
+    if mode == "combine" and scored.reward == 0 and not has_teacher:
+        return Verdict(False, "zero_reward_no_teacher", final, buildable=True)
+    return Verdict(True, None, final, buildable=True)
+
+
+def is_stale(scored: ScoredTurn, trainer_version: int | None, max_staleness: int) -> bool:
+    """More than `max_staleness` versions behind the trainer (only with behaviour log-probs)."""
+    turn = scored.turn
+    if trainer_version is None or turn.response_logprobs is None:
+        return False
+    return trainer_version - turn.policy_version > max_staleness
+
+
+def build_sample(scored: ScoredTurn, mode: Mode, *, forced: bool = False) -> TrainSample:
+    """The TrainSample of a turn; its id is the turn id (so batches dedupe by turn)."""
+    turn = scored.turn
+    n = len(turn.response_ids)
+    return TrainSample(
+        id=turn.id,
+        session_id=turn.session_id,
+        turn_index=turn.turn_index,
+        tokens=[*turn.prompt_ids, *turn.response_ids],
+        response_length=n,
+        loss_mask=[1] * n,
+        reward=float(scored.reward),
+        rollout_logprobs=turn.response_logprobs,
+        teacher_logprobs=scored.teacher_logprobs,
+        policy_version=turn.policy_version,
+        weight_version=turn.weight_version,
+        temperature=turn.sampling.temperature,
+        mode=mode,
+        forced=forced,
+    )

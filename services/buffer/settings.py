@@ -1,0 +1,65 @@
+"""The buffer's configuration: `NEXTSTATE_BUFFER__*`.
+
+    NEXTSTATE_BUFFER__BATCH_SIZE=16          samples per TrainBatch (B)
+    NEXTSTATE_BUFFER__MAX_WAIT_S=30          publish a partial batch once its oldest sample waited this long
+    NEXTSTATE_BUFFER__MAX_STALENESS=4        drop samples more than this many versions behind the trainer
+    NEXTSTATE_BUFFER__MODE=rl                rl | opd | combine: which turns become samples
+    NEXTSTATE_BUFFER__MIN_SAMPLES_PER_SESSION=1   at-least-one rule (0 turns it off)
+    NEXTSTATE_BUFFER__ARCHIVE=true           gzip JSONL of every published sample in the bucket
+    NEXTSTATE_BUFFER__ARCHIVE_ROLL_SAMPLES=1000   NEXTSTATE_BUFFER__ARCHIVE_ROLL_S=300
+    NEXTSTATE_BUFFER__HOST=127.0.0.1         NEXTSTATE_BUFFER__PORT=8200
+    NEXTSTATE_BUFFER__TOKENIZER=/models/policy    HF folder whose chat template tokenizes imports
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+
+from shared.schemas import Mode
+from shared.settings import Settings
+
+
+class BufferConfig(BaseModel):
+    batch_size: int = Field(16, ge=1, description="samples per TrainBatch")
+    max_wait_s: float = Field(30.0, gt=0, description="a partial batch is published after this")
+    max_staleness: int = Field(4, ge=0, description="versions behind the trainer a sample may be")
+    mode: Mode = "rl"
+    min_samples_per_session: int = Field(1, ge=0, description="at-least-one rule; 0 disables")
+    session_ttl_s: int = Field(24 * 3600, ge=60, description="life of a session's sample set in Redis")
+    # Handlers in flight: each waits until the batch holding its sample is published, so
+    # this must be at least one batch; two lets the next batch fill while one publishes.
+    concurrency: int | None = Field(None, ge=1, description="default: 2 x batch_size")
+    # A stable name lets a restarted buffer take back its own unacknowledged entries at
+    # once; the default (host-pid) leaves them to the janitor after claim_idle_ms.
+    consumer_name: str | None = None
+    publish_retry_max_s: float = Field(5.0, gt=0, description="backoff cap when batches is full")
+
+    archive: bool = True
+    archive_roll_samples: int = Field(1000, ge=1, description="samples per archive object")
+    archive_roll_s: float = Field(300.0, gt=0, description="seal an archive object after this")
+    archive_max_pending: int = Field(64, ge=1, description="sealed objects waiting to upload; then drop oldest")
+    archive_retry_max_s: float = Field(30.0, gt=0, description="backoff cap for failed uploads")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8200, ge=0, le=65535)
+    tokenizer: str | None = Field(None, description="HF folder or hub id for POST /receive")
+    receive_max_records: int = Field(1000, ge=1, description="records per POST /receive")
+    get_data_max: int = Field(64, ge=1, description="largest n for GET /get_data")
+    get_data_max_wait_s: float = Field(30.0, ge=0, description="longest wait= for GET /get_data")
+
+    @model_validator(mode="after")
+    def _enough_in_flight(self) -> BufferConfig:
+        if self.concurrency is not None and self.concurrency < self.batch_size:
+            raise ValueError(
+                f"concurrency {self.concurrency} < batch_size {self.batch_size}: a batch could "
+                "never fill (every handler waits for its batch); raise it or leave it unset"
+            )
+        return self
+
+    @property
+    def in_flight(self) -> int:
+        return self.concurrency if self.concurrency is not None else 2 * self.batch_size
+
+
+class BufferSettings(Settings):
+    buffer: BufferConfig = BufferConfig()
