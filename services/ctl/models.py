@@ -62,7 +62,7 @@ def ensure_default_model(dest: Path | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF_FILE, dtype=torch.float32)
     config = AutoConfig.from_pretrained(str(src), gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
     # Tied output embeddings may be absent from the GGUF state dict; anything else is an error.
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]

@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,24 +21,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from services.ctl.infra import redis_server_binary, weed_binary
+from services.ctl.infra import free_port, redis_argv, weed_argv, weed_ports
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
@@ -79,9 +63,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
-             "--protected-mode", "no"],
+            redis_argv(self.port, self.workdir, persist=False),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
@@ -105,19 +87,6 @@ class RedisServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _weed_ports() -> dict[str, int]:
-    """Free HTTP ports whose gRPC twins (port + 10000, weed's default offset) are free too."""
-    names = ["master", "volume", "filer", "s3", "admin"]
-    ports: dict[str, int] = {}
-    taken: set[int] = set()
-    while len(ports) < len(names):
-        p = free_port()
-        if p + 10000 < 65536 and p not in taken and _port_is_free(p + 10000):
-            ports[names[len(ports)]] = p
-            taken.add(p)
-    return ports
-
-
 @dataclass
 class S3Server:
     """SeaweedFS `weed mini` serving a real S3 API on a free port, with one bucket."""
@@ -126,7 +95,7 @@ class S3Server:
     access_key: str = "nextstate-test"
     secret_key: str = "nextstate-test-secret"
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ns-weed-")))
-    ports: dict[str, int] = field(default_factory=_weed_ports)
+    ports: dict[str, int] = field(default_factory=weed_ports)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -145,14 +114,7 @@ class S3Server:
     def start(self) -> S3Server:
         from minio import Minio
 
-        p = self.ports
-        args = [
-            weed_binary(), "mini", f"-dir={self.workdir}", "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
-            f"-master.port={p['master']}", f"-volume.port={p['volume']}",
-            f"-filer.port={p['filer']}", f"-s3.port={p['s3']}", f"-admin.port={p['admin']}",
-            "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        ]
+        args = weed_argv(self.workdir, self.ports, self.bucket)
         env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key,
                    AWS_SECRET_ACCESS_KEY=self.secret_key)
         self.log = open(self.workdir / "weed.log", "wb")
