@@ -56,8 +56,8 @@ async def run(settings: EngineSettings) -> None:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
     model = await asyncio.to_thread(load_model, cfg.model, device, cfg.dtype)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-    engine = Engine(model, tokenizer, cfg)
+    tokenizer_path = cfg.tokenizer or cfg.model
+    engine = Engine(model, load_tokenizer(tokenizer_path), cfg, decoder=load_tokenizer(tokenizer_path))
     server = Server(
         uvicorn.Config(
             build_app(engine),

@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, tokenizer: Any, cfg: EngineGroup) -> None:
+    def __init__(self, model: LoadedModel, tokenizer: Any, cfg: EngineGroup, decoder: Any = None) -> None:
+        """`tokenizer` serves the event loop; `decoder`, a second instance, the model thread.
+
+        Fast tokenizers mutate internal state on some calls, so two threads never share one.
+        """
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.tokenizer_path = cfg.tokenizer or cfg.model
@@ -34,7 +38,7 @@ class Engine:
         self.dtype = cfg.dtype
         self.scheduler = Scheduler(
             model,
-            tokenizer,
+            decoder if decoder is not None else tokenizer,
             cfg.weight_version,
             max_running=cfg.max_running,
             max_queue=cfg.max_queue,

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,13 +21,13 @@ from shared.engine_client import ChunkJoiner, GenerateResult, SGLangClient
 from shared.errors import EngineTimeout, EngineUnavailable
 from shared.schemas import SamplingParams
 from tests.integration.test_engine import PROMPT, start_engine
-from tests.support.servers import ServiceProcess, wait_until
+from tests.support.servers import REPO, ServiceProcess, wait_until
 from tests.support.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.integration
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-LONG = {"temperature": 1.0, "max_tokens": 1500, "seed": 9, "ignore_eos": True}
+LONG = {"temperature": 1.0, "max_tokens": 400, "seed": 9, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +243,20 @@ async def test_sigterm_aborts_in_flight_work_and_exits_zero(models: dict[str, Pa
         assert await asyncio.to_thread(proc.proc.wait, 15) == 0, proc.logs()
     finally:
         proc.stop()
+
+
+def _run_engine_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "services.engine", *args],
+        cwd=REPO, env={**clean, **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_a_missing_or_bad_configuration_fails_at_start_and_says_what_to_fix(tmp_path: Path) -> None:
+    missing = _run_engine_cli()
+    assert missing.returncode == 2 and "NEXTSTATE_ENGINE__MODEL" in missing.stderr
+    bad_port = _run_engine_cli("--model", str(tmp_path), NEXTSTATE_ENGINE__PORT="http")
+    assert bad_port.returncode == 2 and "NEXTSTATE_ENGINE__PORT" in bad_port.stderr
+    no_folder = _run_engine_cli("--model", str(tmp_path / "nope"), "--port", "0")
+    assert no_folder.returncode == 1 and "does not exist" in no_folder.stderr
