@@ -1,0 +1,1 @@
+"""The trainer: clipped policy-gradient steps on `batches`, versioned checkpoints in the bucket."""

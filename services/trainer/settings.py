@@ -1,0 +1,117 @@
+"""The trainer's configuration: `NEXTSTATE_TRAINER__*` on top of the shared settings.
+
+    NEXTSTATE_TRAINER__MODEL=/models/base        HF folder of the base model (also the KL reference); required
+    NEXTSTATE_TRAINER__LR=1e-6                   NEXTSTATE_TRAINER__WEIGHT_DECAY=0.0
+    NEXTSTATE_TRAINER__BETAS=[0.9,0.999]         NEXTSTATE_TRAINER__GRAD_CLIP=1.0
+    NEXTSTATE_TRAINER__EPS_CLIP=0.2              NEXTSTATE_TRAINER__EPS_CLIP_HIGH=0.28
+    NEXTSTATE_TRAINER__KL_BETA=0.02              0 skips the reference model entirely
+    NEXTSTATE_TRAINER__LOSS_MODE=rl              rl | opd | combine (W_RL, W_OPD weigh combine)
+    NEXTSTATE_TRAINER__MICRO_BATCH_TOKENS=8192   padded tokens per forward; gradients accumulate
+    NEXTSTATE_TRAINER__CHECKPOINT_EVERY=1        publish a version every K optimizer steps
+    NEXTSTATE_TRAINER__KEEP_VERSIONS=3           versions (and trainer states) kept in the bucket
+    NEXTSTATE_TRAINER__LORA=false                LORA_RANK=16 LORA_ALPHA=32: publishes merged weights
+    NEXTSTATE_TRAINER__DEVICE=auto               NEXTSTATE_TRAINER__DTYPE=auto (bf16 on GPU, fp32 on CPU)
+    NEXTSTATE_TRAINER__HOST=127.0.0.1            NEXTSTATE_TRAINER__PORT=9103  (/healthz /readyz /metrics)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from shared.schemas import Mode
+from shared.settings import Settings
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class TrainerConfig(BaseModel):
+    model: str = Field(description="HF folder of the base model: initial policy and KL reference")
+    tokenizer: str | None = Field(None, description="tokenizer folder published with each version")
+    # -- optimizer ------------------------------------------------------------------------
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
+    # -- loss ---------------------------------------------------------------------------------
+    loss_mode: Mode = "rl"
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    eps_clip: float = Field(0.2, gt=0, lt=1)
+    eps_clip_high: float = Field(0.28, gt=0)
+    kl_beta: float = Field(0.02, ge=0)
+    # -- batching and checkpoints ---------------------------------------------------------------
+    micro_batch_tokens: int = Field(8192, ge=16, description="padded tokens per micro-batch")
+    checkpoint_every: int = Field(1, ge=1, description="optimizer steps per published version")
+    keep_versions: int = Field(3, ge=1)
+    max_pending_uploads: int = Field(
+        2, ge=1, description="versions uploading while training goes on; then training waits"
+    )
+    remember_batches: int = Field(10_000, ge=100, description="consumed batch ids kept for replays")
+    # -- LoRA ------------------------------------------------------------------------------------
+    lora: bool = False
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_targets: list[str] | Literal["all-linear"] = "all-linear"
+    # -- process -----------------------------------------------------------------------------------
+    device: str = "auto"
+    dtype: Dtype = "auto"
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    seed: int = 0
+    work_dir: str | None = Field(None, description="local scratch for snapshots (default: a temp dir)")
+    consumer_name: str | None = Field(None, description="default trainer-<run>: one trainer per run")
+    upload_retry_max_s: float = Field(30.0, gt=0, description="upload retries back off up to this")
+    shutdown_upload_s: float = Field(120.0, ge=0, description="on stop, wait this long for uploads")
+    host: str = "127.0.0.1"
+    port: int = Field(9103, ge=0, le=65535)
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("set it to the base model's HF folder")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "mps") and not v.startswith("cuda"):
+            raise ValueError("auto, cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("both betas must be in [0, 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _weights(self) -> TrainerConfig:
+        if self.loss_mode == "combine" and self.w_rl == 0 and self.w_opd == 0:
+            raise ValueError("combine mode with w_rl = w_opd = 0 trains nothing")
+        return self
+
+    @property
+    def consumer_concurrency(self) -> int:
+        """Batches the consumer holds at once. Training stays strictly ordered (one worker
+        takes them from an in-process FIFO); a batch is acked only once its version is
+        committed, so a whole window of `checkpoint_every` batches must be in flight, plus
+        one window per version still uploading. Fewer would deadlock; more buys nothing."""
+        return self.checkpoint_every * (self.max_pending_uploads + 1)
+
+
+class TrainerSettings(Settings):
+    trainer: TrainerConfig
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trainer_group(cls, data: Any) -> Any:
+        # Without this a missing group reads "NEXTSTATE_TRAINER: Field required"; with it
+        # the error names NEXTSTATE_TRAINER__MODEL, the variable to set.
+        if isinstance(data, dict):
+            data.setdefault("trainer", {})
+        return data

@@ -1,0 +1,164 @@
+"""One optimizer step on a `TrainBatch`: micro-batches, loss, accumulation, clipping, AdamW.
+
+The batch's loss is the token-mean over every loss-masked token of every sample. It is
+split into micro-batches of at most `micro_batch_tokens` padded tokens; each
+micro-batch's loss is divided by the *whole batch's* token count, so the accumulated
+gradient equals the gradient of one forward over the whole batch.
+
+Behaviour log-probs are the engine's (`rollout_logprobs`); a sample without them is
+on-policy: its current log-probs, detached, stand in (ratio 1). The reference forward
+runs only when β > 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.trainer import losses
+from services.trainer.batching import MicroBatch, collate, pack, trainable_tokens, trains
+from services.trainer.model import adapters_off, is_lora, trainable_parameters, window_logprobs
+from shared.errors import MalformedMessage
+from shared.schemas import Mode, TrainSample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    mode: Mode = "rl"
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_beta: float = 0.02
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+def make_optimizer(model: Any, cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        trainable_parameters(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )  # fmt: skip
+
+
+def advantages(mb: MicroBatch, old: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """Per-token advantages for the configured mode.  (B, W)"""
+    if cfg.mode == "rl":
+        return losses.rl_advantages(mb.rewards, old)
+    if cfg.mode == "opd":  # samples without teacher log-probs are masked out in collate
+        return losses.opd_advantages(mb.teacher_logprobs, old)
+    return losses.combined_advantages(
+        mb.teacher_logprobs, old, mb.rewards, cfg.w_opd, cfg.w_rl, mb.has_teacher
+    )
+
+
+class Trainer:
+    """The policy, its frozen reference (when β > 0) and optimizer; `step` trains one batch."""
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        loss: LossConfig,
+        optim: OptimConfig,
+        *,
+        reference: Any | None = None,
+        micro_batch_tokens: int = 8192,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss = loss
+        self.optim = optim
+        self.reference = reference
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = torch.device(device)
+        self.params = trainable_parameters(model)
+        if loss.kl_beta > 0 and reference is None and not is_lora(model):
+            raise ValueError("kl_beta > 0 needs a reference model (or LoRA, whose base is one)")
+
+    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
+        if self.loss.kl_beta <= 0:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                return window_logprobs(self.reference, mb)
+            with adapters_off(self.model) as base:
+                return window_logprobs(base, mb)
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """Forward + backward over micro-batches, leaving the batch's gradient in `.grad`."""
+        mode = self.loss.mode
+        num_tokens = float(max(1, sum(trainable_tokens(s, mode) for s in samples)))
+        totals: dict[str, float] = {}
+        tokens = 0
+        for group in pack([len(s.tokens) for s in samples], self.micro_batch_tokens):
+            mb = collate([samples[i] for i in group], mode, self.device)
+            if mb is None:
+                continue
+            tokens += mb.real_tokens
+            logp = window_logprobs(self.model, mb)  # (B, W)
+            old = torch.where(mb.has_old[:, None], mb.old_logprobs, logp.detach())
+            loss, metrics = losses.policy_loss(
+                logp, old, advantages(mb, old, self.loss), mb.mask,
+                eps_clip=self.loss.eps_clip, eps_clip_high=self.loss.eps_clip_high,
+                kl_beta=self.loss.kl_beta, ref_logprobs=self.reference_logprobs(mb),
+                num_tokens=num_tokens,
+            )  # fmt: skip
+            loss.backward()  # type: ignore[no-untyped-call]
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        totals["tokens"] = float(tokens)
+        totals["train_tokens"] = num_tokens
+        return totals
+
+    def step(self, samples: Sequence[TrainSample], version: int = 0) -> dict[str, float]:
+        """Train on one batch; return its metrics (`version`: the trainer's, for staleness)."""
+        started = time.perf_counter()
+        self.check_vocab(samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate(samples)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # one bad batch must not poison the weights
+            log.warning("non-finite gradient norm, step skipped", extra={"grad_norm": grad_norm})
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - started
+        metrics.update(
+            grad_norm=grad_norm,
+            step_seconds=seconds,
+            tokens_per_s=metrics["tokens"] / seconds if seconds > 0 else 0.0,
+            reward_mean=sum(s.reward for s in samples) / len(samples),
+            staleness=sum(version - s.policy_version for s in samples) / len(samples),
+            staleness_max=float(max(version - s.policy_version for s in samples)),
+            samples=float(len(samples)),
+            skipped_samples=float(sum(not trains(s, self.loss.mode) for s in samples)),
+            skipped_step=0.0 if math.isfinite(grad_norm) else 1.0,
+        )
+        return metrics
+
+    def check_vocab(self, samples: Sequence[TrainSample]) -> None:
+        """Refuse token ids outside the model's vocabulary before touching any weight."""
+        vocab = int(self.model.get_input_embeddings().weight.shape[0])
+        for s in samples:
+            bad = [t for t in s.tokens if not 0 <= t < vocab]
+            if bad:
+                raise MalformedMessage(
+                    f"sample {s.id} has token ids outside the vocabulary (size {vocab}): {bad[:5]}"
+                )
