@@ -82,6 +82,11 @@ class Keys:
         """Sorted set: pending-turn hash scored by its expiry time."""
         return f"{self.prefix}:pending-deadlines"
 
+    def turn_lineage(self, prefix_hash: str) -> str:
+        """Session id and turn index of the response that ends this conversation prefix
+        (kept after the pending turn closes, so a branch from it stays in its session)."""
+        return f"{self.prefix}:lineage:{prefix_hash}"
+
     # -- buffer -------------------------------------------------------------------
     def session_samples(self, session_id: str) -> str:
         """How many training samples a session has produced (for the at-least-one rule)."""
