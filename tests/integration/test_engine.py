@@ -18,10 +18,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from services.ctl.infra import free_port
 from shared.engine_client import EngineClient, SGLangClient, join_stream
 from shared.errors import EngineRejected
 from shared.schemas import SamplingParams
-from tests.support.servers import ServiceProcess, free_port, wait_until
+from tests.support.servers import ServiceProcess, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -21,11 +21,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.ctl.infra import free_port
 from shared.engine_client import EngineNotSupported, VLLMClient, join_stream
 from shared.errors import EngineRejected
 from shared.schemas import SamplingParams
 from shared.telemetry import embedded_server
-from tests.support.servers import free_port, wait_until
+from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.integration
 
