@@ -6,6 +6,8 @@ What it uses, and what it needs from the vLLM deployment:
   `logprobs: 0` (the sampled token's log-prob) and `return_tokens_as_token_ids: true`
   (tokens come back as "token_id:<id>"); `return_token_ids: true` is also sent and
   its `token_ids` preferred when the server has it. Works on any recent vLLM.
+- max_tokens: vLLM's completions default is 16 when none is sent; pass
+  `SamplingParams.max_tokens` or `default_max_tokens=` (SGLang's default is 128).
 - score: `max_tokens: 1` with `prompt_logprobs: 0`; `choices[0].prompt_logprobs[j]`
   maps the prompt token id (as a string) to its log-prob.
 - Log-prob semantics differ from our engine's by default: vLLM reports log-probs of
