@@ -1,0 +1,94 @@
+"""Assemble the trainer from its configuration and a resume point (models, optimizer, RNG).
+
+Full fine-tuning resumes from the committed version's weights; LoRA resumes from the
+base model plus the saved adapter (the published weights are merged, so they cannot
+give the adapter back). The optimizer and RNG come from the trainer state when there
+is one; a trainer state that does not fit the model (LoRA switched on or off, another
+base) stops the start with an error saying so rather than training from a mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+
+from services.trainer.checkpoint import ResumePoint, restore_rng
+from services.trainer.model import (
+    LoraSpec,
+    ModelError,
+    add_lora,
+    freeze,
+    load_causal_lm,
+    resolve_device,
+    resolve_dtype,
+)
+from services.trainer.settings import TrainerConfig
+from services.trainer.step import LossConfig, OptimConfig, Trainer, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+def loss_config(cfg: TrainerConfig) -> LossConfig:
+    return LossConfig(
+        mode=cfg.loss_mode, w_rl=cfg.w_rl, w_opd=cfg.w_opd, eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high, kl_beta=cfg.kl_beta,
+    )  # fmt: skip
+
+
+def optim_config(cfg: TrainerConfig) -> OptimConfig:
+    return OptimConfig(
+        lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.adam_eps,
+        grad_clip=cfg.grad_clip,
+    )  # fmt: skip
+
+
+def lora_spec(cfg: TrainerConfig) -> LoraSpec:
+    return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                    targets=cfg.lora_targets)
+
+
+def build_trainer(cfg: TrainerConfig, resume: ResumePoint) -> Trainer:
+    """Load the policy (and reference), build AdamW, restore the trainer state if any."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    tensors = resume.tensors or {}
+    adapter = tensors.get("adapter")
+    if cfg.lora and adapter is not None:
+        policy: Any = add_lora(load_causal_lm(cfg.model, device, dtype), lora_spec(cfg), adapter)
+        base_is_reference = True
+    else:
+        if adapter is not None:
+            raise ModelError("the trainer state holds a LoRA adapter but LoRA is off: set "
+                             "NEXTSTATE_TRAINER__LORA=true, or start a new run")
+        policy = load_causal_lm(resume.model_dir or cfg.model, device, dtype)
+        base_is_reference = resume.model_dir is None
+        if cfg.lora:
+            policy = add_lora(policy, lora_spec(cfg))
+    reference = None
+    if cfg.kl_beta > 0 and not (cfg.lora and base_is_reference):
+        reference = freeze(load_causal_lm(cfg.model, device, dtype))
+    optimizer = make_optimizer(policy, optim_config(cfg))
+    if "optimizer" in tensors:
+        try:
+            optimizer.load_state_dict(tensors["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise ModelError(f"the saved optimizer state does not fit this model ({exc}); "
+                             "was the run started with other LoRA settings?") from exc
+        for group in optimizer.param_groups:  # the configuration wins over the saved values
+            group.update(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.adam_eps)
+        restore_rng(tensors["rng"])
+    log.info("trainer ready", extra={
+        "version": resume.version, "step": resume.step, "device": str(device), "dtype": str(dtype),
+        "lora": cfg.lora, "reference": "separate" if reference is not None else (
+            "adapters off" if cfg.kl_beta > 0 else "none"),
+        "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
+        "optimizer": "restored" if "optimizer" in tensors else "fresh"})
+    return Trainer(
+        policy, optimizer, loss_config(cfg), optim_config(cfg), reference=reference,
+        micro_batch_tokens=cfg.micro_batch_tokens, device=device,
+    )  # fmt: skip

@@ -1,0 +1,63 @@
+"""The trainer's Prometheus metrics (served on /metrics); the same numbers go into manifests."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# The last step's value of each per-step metric, by its name in the step's metrics dict.
+STEP_GAUGES = {
+    name: Gauge(f"nextstate_trainer_{name}", doc)
+    for name, doc in {
+        "loss": "Total loss (pg + β·KL) of the last step, token-mean",
+        "pg_loss": "Clipped surrogate loss of the last step, token-mean",
+        "kl": "k3 KL to the reference of the last step, token-mean",
+        "clip_frac": "Fraction of trained tokens whose ratio was clipped",
+        "ratio_mean": "Mean importance ratio against the behaviour log-probs",
+        "adv_mean": "Mean advantage over trained tokens",
+        "reward_mean": "Mean reward of the last batch's samples",
+        "staleness": "Mean trainer version minus the samples' policy version",
+        "staleness_max": "Largest trainer version minus a sample's policy version",
+        "tokens_per_s": "Tokens (prompt + response) per second of the last step",
+        "step_seconds": "Wall time of the last optimizer step",
+        "grad_norm": "Global gradient norm before clipping",
+    }.items()
+}
+STEPS = Counter("nextstate_trainer_steps_total", "Optimizer steps taken")
+TOKENS = Counter("nextstate_trainer_tokens_total", "Tokens read by training forwards")
+SKIPPED_STEPS = Counter("nextstate_trainer_skipped_steps_total", "Steps skipped (non-finite gradient)")
+FAILED_BATCHES = Counter("nextstate_trainer_failed_batches_total", "Batches whose step raised")
+REPLAYED = Counter(
+    "nextstate_trainer_replayed_batches_total", "Batches already in a committed version, acked untrained"
+)
+VERSION = Gauge("nextstate_trainer_version", "Newest committed version")
+COMMITS = Counter("nextstate_trainer_commits_total", "Versions committed to the bucket")
+COMMIT_FAILURES = Counter("nextstate_trainer_commit_failures_total", "Commit attempts that failed")
+PENDING_UPLOADS = Gauge("nextstate_trainer_pending_uploads", "Versions snapshotted, not yet committed")
+COMMIT_SECONDS = Histogram(
+    "nextstate_trainer_commit_seconds", "Write + upload + commit of one version",
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+SNAPSHOT_SECONDS = Histogram(
+    "nextstate_trainer_snapshot_seconds", "Copying weights and optimizer state off the trainer",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+
+
+def observe_step(metrics: Mapping[str, float]) -> None:
+    for name, gauge in STEP_GAUGES.items():
+        if name in metrics:
+            gauge.set(metrics[name])
+    STEPS.inc()
+    TOKENS.inc(metrics.get("tokens", 0.0))
+    if metrics.get("skipped_step"):
+        SKIPPED_STEPS.inc()
+
+
+def average(window: list[dict[str, float]]) -> dict[str, float]:
+    """Per-metric mean over the steps of one version (what its manifest records)."""
+    keys = sorted({k for m in window for k in m})
+    out = {k: sum(m.get(k, 0.0) for m in window) / len(window) for k in keys} if window else {}
+    out["steps"] = float(len(window))
+    return out
