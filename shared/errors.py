@@ -11,7 +11,8 @@
     └── EngineError            the inference engine
         ├── EngineUnavailable  cannot connect, or it answered 5xx
         ├── EngineTimeout      no answer within the timeout
-        └── EngineRejected     it answered 4xx: the request itself is wrong
+        ├── EngineRejected     it answered 4xx: the request itself is wrong
+        └── EngineNotSupported this engine does not offer the operation
 
 Every message says what happened and, where it can, what to do about it.
 """
@@ -74,3 +75,7 @@ class EngineRejected(EngineError):
     def __init__(self, message: str, status_code: int = 400) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class EngineNotSupported(EngineError):
+    """The engine (or its configuration) does not offer this operation; the message says what would."""

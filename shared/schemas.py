@@ -66,6 +66,7 @@ class SamplingParams(BaseModel):
     top_k: int = -1
     max_tokens: int | None = Field(None, ge=0)
     stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
     seed: int | None = None
 
 

@@ -17,7 +17,6 @@ from typing import Any, Literal
 from shared.engine_client.base import (
     ChunkJoiner,
     EngineClient,
-    EngineNotSupported,
     GenerateChunk,
     GenerateResult,
     SamplingLike,
@@ -25,6 +24,7 @@ from shared.engine_client.base import (
 )
 from shared.engine_client.sglang import SGLangClient
 from shared.engine_client.vllm import VLLMClient
+from shared.errors import EngineNotSupported
 
 EngineKind = Literal["sglang", "vllm"]
 

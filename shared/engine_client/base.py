@@ -22,15 +22,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from shared.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable
+from shared.errors import (
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+)
 from shared.schemas import SamplingParams
 
 SamplingLike = SamplingParams | Mapping[str, Any]
 _SCHEMA_KEYS = frozenset(SamplingParams.model_fields)
-
-
-class EngineNotSupported(EngineError):
-    """The engine (or its configuration) does not offer this operation; the message says what would."""
 
 
 @dataclass(frozen=True, slots=True)

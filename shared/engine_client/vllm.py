@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from shared.engine_client.base import (
-    EngineNotSupported,
     GenerateChunk,
     GenerateResult,
     HTTPEngine,
@@ -37,7 +36,7 @@ from shared.engine_client.base import (
     check_score_range,
     split_sampling,
 )
-from shared.errors import EngineError, EngineUnavailable
+from shared.errors import EngineError, EngineNotSupported, EngineUnavailable
 
 
 def _token_ids(choice: dict[str, Any]) -> list[int] | None:

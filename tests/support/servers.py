@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from services.ctl.infra import free_port, redis_argv, weed_argv, weed_ports
+from services.ctl.infra import free_port as free_port
+from services.ctl.infra import redis_argv, weed_argv, weed_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -202,6 +203,8 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait(5)
             self.proc = None
+        with contextlib.suppress(Exception):
+            self._log.close()
 
 
 @contextlib.contextmanager
