@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.judge import metrics
 from services.judge.backend import JudgeBackend
@@ -30,8 +30,10 @@ from services.judge.parsing import accepted_hint, extract_hint
 from services.judge.prompts import HINT_PROMPTS, judge_messages, prompt_for
 from services.judge.settings import JudgeConfig
 from services.judge.votes import cast_votes
-from shared.engine_client import EngineClient
 from shared.schemas import Turn, Vote
+
+if TYPE_CHECKING:  # the engine client is imported only when OPD runs
+    from shared.engine_client import EngineClient
 
 HINT_FORMAT = "\n\n[Hint] {hint}"
 

@@ -72,6 +72,7 @@ class Standin:
     calls: Counter[str] = field(default_factory=Counter)
     paths: Counter[str] = field(default_factory=Counter)
     auth: list[str] = field(default_factory=list)
+    open_transports: set[asyncio.Transport] = field(default_factory=set)
 
     def answer(self, prompt: str) -> tuple[float, int, str]:
         """(delay, status, text) for the next call with this prompt."""
@@ -115,6 +116,7 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.standin.open_transports.add(transport)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -141,7 +143,8 @@ class _Conn(asyncio.Protocol):
         body = b"".join(self.body)
         if b"authorization" in self.headers:
             self.standin.auth.append(self.headers[b"authorization"].decode())
-        self.standin.paths[path] += 1
+        if path != "/stats":
+            self.standin.paths[path] += 1
         self.previous = asyncio.get_running_loop().create_task(
             self.respond(method, path, body, self.previous)
         )
@@ -180,6 +183,8 @@ class _Conn(asyncio.Protocol):
             self.transport.write(_body(status, payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:
+            self.standin.open_transports.discard(self.transport)
         self.transport = None
 
 
@@ -212,7 +217,12 @@ class StandinThread:
         async def stop() -> None:
             if self.server is not None:
                 self.server.close()
-                # Connections still open (keep-alive) are dropped with the loop.
+            for transport in list(self.standin.open_transports):
+                transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)

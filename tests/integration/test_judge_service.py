@@ -1,0 +1,266 @@
+"""`python -m services.judge` as real processes: real Redis, the scripted stand-in judge over HTTP.
+
+Covers: rewards and audit fields for agreement, disagreement, unparsable and slow votes;
+no next state; side turns; a judge that stays down (retried, then dead-lettered, never
+scored 0); a worker SIGKILLed mid-work (its turns are reclaimed and scored by another);
+three workers on one stream (each turn scored exactly once); plugins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.schemas import DeadLetter, ScoredTurn, Turn
+from shared.settings import Settings
+from shared.streams import Bus
+from tests.support.judge_standin import StandinThread
+from tests.support.servers import REPO, ServiceProcess, free_port
+
+pytestmark = pytest.mark.integration
+
+FAST_STREAMS = {
+    "NEXTSTATE_STREAMS__CLAIM_IDLE_MS": "1000",
+    "NEXTSTATE_STREAMS__RETRY_DELAY_MS": "50",
+    "NEXTSTATE_STREAMS__BLOCK_MS": "100",
+    "NEXTSTATE_STREAMS__MAX_DELIVERIES": "3",
+    "NEXTSTATE_STREAMS__SHUTDOWN_GRACE_S": "2",
+}
+
+
+@pytest.fixture
+def standin() -> Iterator[StandinThread]:
+    with StandinThread(free_port()) as s:
+        yield s
+
+
+@pytest.fixture
+async def bus(settings: Settings) -> AsyncIterator[Bus]:
+    async with Bus(settings) as b:
+        yield b
+
+
+def judge_env(env: dict[str, str], standin_url: str, **judge: str) -> dict[str, str]:
+    out = {**env, **FAST_STREAMS, "NEXTSTATE_JUDGE__URL": standin_url,
+           "NEXTSTATE_JUDGE__MODEL": "standin-judge", "NEXTSTATE_JUDGE__TIMEOUT_S": "0.5",
+           "NEXTSTATE_JUDGE__RETRIES": "1", "NEXTSTATE_JUDGE__BACKOFF_S": "0.01",
+           "NEXTSTATE_JUDGE__CONCURRENCY": "64"}
+    out.update({f"NEXTSTATE_JUDGE__{k.upper()}": v for k, v in judge.items()})
+    return out
+
+
+class Judge(ServiceProcess):
+    @property
+    def ops(self) -> str:
+        return f"http://127.0.0.1:{self.env['NEXTSTATE_JUDGE__PORT']}"
+
+
+def start_judge(
+    env: dict[str, str], standin_url: str, name: str, *, claim_idle_ms: int = 1000, **judge: str
+) -> Judge:
+    port = str(free_port())
+    proc_env = judge_env(env, standin_url, port=port, consumer_name=name, **judge)
+    proc_env["NEXTSTATE_STREAMS__CLAIM_IDLE_MS"] = str(claim_idle_ms)
+    proc = Judge("judge", proc_env)
+    try:
+        proc.start().wait_http(f"http://127.0.0.1:{port}/healthz", timeout=60)
+    except Exception:
+        proc.stop()
+        raise
+    return proc
+
+
+def make_turn(session: str, reply: str | None, *, role: str = "user", **kw: Any) -> Turn:
+    return Turn(
+        session_id=session,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        response={"role": "assistant", "content": f"It is sunny in Paris ({session})."},
+        prompt_ids=[1, 2, 3], response_ids=[4, 5], response_logprobs=[-0.1, -0.2],
+        next_state=None if reply is None else [{"role": role, "content": reply}],
+        **kw,
+    )
+
+
+async def eventually(cond: Callable[[], Awaitable[Any] | Any], timeout: float = 30.0, what: str = "") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        got = cond()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
+
+
+async def scored(bus: Bus) -> list[ScoredTurn]:
+    return [ScoredTurn.from_json(f["data"]) for _, f in await bus.redis.xrange(bus.keys.scored)]
+
+
+async def all_acked(bus: Bus) -> bool:
+    groups = await bus.redis.xinfo_groups(bus.keys.turns)
+    return bool(groups) and int(groups[0]["pending"]) == 0 and groups[0]["lag"] == 0
+
+
+def standin_total(s: StandinThread) -> int:
+    return int(httpx.get(f"{s.url}/stats", timeout=5).json()["total"])
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    assert want is not None
+    return total
+
+
+async def test_turns_in_scored_turns_out(bus: Bus, env: dict[str, str], standin: StandinThread, unique: str) -> None:
+    cases = {  # directive in the next state -> (reward, scores of answered votes, errored votes)
+        "votes=1,1,1": (1, [1, 1, 1], 0),
+        "votes=1,-1,-1": (-1, [-1, -1, 1], 0),
+        "votes=1,-1,0": (0, [-1, 0, 1], 0),
+        "votes=x,x,1": (1, [None, None, 1], 0),
+        "votes=x": (0, [None, None, None], 0),
+        "votes=-1; delays=0,0,9": (-1, [-1, -1], 1),  # one call times out twice
+        "votes=1; fail=1; status=500": (1, [1, 1, 1], 0),  # a 500, retried
+    }
+    turns = {d: make_turn(f"{unique}-{i}", f"ok. <<standin {d}>>", turn_index=i) for i, d in enumerate(cases)}
+    tool_turn = make_turn(f"{unique}-tool", "exit 0 <<standin votes=1,1,-1>>", role="tool")
+    ended = make_turn(f"{unique}-ended", None, closed_by="ttl")
+    side = make_turn(f"{unique}-side", "thanks <<standin votes=1>>", turn_type="side")
+    down = make_turn(f"{unique}-down", "hm <<standin fail=1000; status=500>>")
+    for t in [*turns.values(), tool_turn, ended, side, down]:
+        await bus.publish("turns", t)
+
+    judge = start_judge(env, standin.url, "judge-1")
+    try:
+        await eventually(lambda: bus.redis.xlen(bus.keys.dead), what="the down turn dead-lettered")
+        await eventually(lambda: all_acked(bus), what="every turn acked")
+        out = {s.id: s for s in await scored(bus)}
+        assert set(out) == {t.id for t in [*turns.values(), tool_turn, ended]}  # side: nothing; down: dead
+        for directive, (reward, scores, errors) in cases.items():
+            s = out[turns[directive].id]
+            assert s.reward == reward, directive
+            assert sorted([v.score for v in s.votes if v.error is None], key=str) == sorted(scores, key=str), directive
+            assert sum(v.error is not None for v in s.votes) == errors, directive
+            assert len(s.votes) == 3 and s.judged and s.mode == "rl"
+            assert (s.judge, s.judge_model, s.prompt_version) == ("prm", "standin-judge", "prm-v1")
+            assert s.turn == turns[directive]
+            assert all(v.text for v in s.votes if v.error is None)
+        slow = out[turns["votes=-1; delays=0,0,9"].id]
+        (err,) = [v for v in slow.votes if v.error]
+        assert "within 0.5s" in err.error and err.latency_s >= 1.0  # type: ignore[operator]
+        assert out[tool_turn.id].reward == 1
+        e = out[ended.id]
+        assert (e.judged, e.reward, e.votes) == (False, 0, [])
+
+        (letter,) = [DeadLetter.from_json(f["data"]) for _, f in await bus.redis.xrange(bus.keys.dead)]
+        assert Turn.from_json(letter.data).id == down.id and letter.deliveries == 3
+        assert "only 0 of 3 calls answered (need 2)" in letter.error and "500" in letter.error
+
+        # Calls: 3 per judged turn, +1 per retried call; none for the ended or side turn;
+        # the down turn: 3 deliveries x 3 calls x 2 attempts.
+        assert standin_total(standin) == 3 * 8 + 2 + 18
+
+        ready = httpx.get(f"{judge.ops}/readyz", timeout=5)
+        assert ready.status_code == 200 and ready.json()["checks"] == {"redis": "ok", "judge": "ok"}
+        text = httpx.get(f"{judge.ops}/metrics", timeout=5).text
+        assert metric(text, "nextstate_judge_votes_total", kind="prm", outcome="unparsable") == 5
+        assert metric(text, "nextstate_judge_disagreement_total", kind="prm") == 3
+        assert metric(text, "nextstate_judge_turns_total", outcome="side") == 1
+        assert metric(text, "nextstate_judge_turns_total", outcome="unjudged") == 1
+        assert metric(text, "nextstate_judge_turns_total", outcome="failed") == 3
+        assert metric(text, "nextstate_judge_rewards_total", judge="prm", reward="-1") == 2
+        assert metric(text, "nextstate_judge_call_seconds_count", kind="prm", outcome="timeout") == 2
+        assert "sunny in Paris" not in judge.logs()  # no conversation text in logs at INFO
+    finally:
+        assert judge.stop() == 0
+
+
+async def test_killed_worker_loses_nothing(bus: Bus, env: dict[str, str], standin: StandinThread, unique: str) -> None:
+    turns = [make_turn(f"{unique}-{i}", f"<<standin votes=1; delays=2>> {i}") for i in range(30)]
+    doomed = start_judge(env, standin.url, "doomed", timeout_s="10")
+    try:
+        for t in turns:
+            await bus.publish("turns", t)
+        await eventually(lambda: standin_total(standin) >= 90, 20, "the doomed worker judging every turn")
+        assert doomed.proc is not None
+        doomed.proc.send_signal(signal.SIGKILL)
+        doomed.proc.wait(5)
+    finally:
+        doomed.stop()  # already dead after SIGKILL: this only closes its log
+    assert await scored(bus) == []  # killed mid-work: nothing was published
+    rescuer = start_judge(env, standin.url, "rescuer", timeout_s="10")
+    try:
+        await eventually(lambda: all_acked(bus), 30, "the rescuer finished every turn")
+        counts = Counter(s.id for s in await scored(bus))
+        assert counts == Counter({t.id: 1 for t in turns})
+        assert all(s.reward == 1 for s in await scored(bus))
+    finally:
+        assert rescuer.stop() == 0
+
+
+async def test_three_workers_score_each_turn_exactly_once(bus: Bus, env: dict[str, str], standin: StandinThread, unique: str) -> None:
+    # No reclaim here: a live worker's loop stalled past a 1 s claim_idle on a loaded
+    # 2-core machine is reclaimed by design (at-least-once; the buffer dedupes by id).
+    workers = [start_judge(env, standin.url, f"w{i}", claim_idle_ms=15_000, timeout_s="10") for i in range(3)]
+    try:
+        turns = [make_turn(f"{unique}-{i}", f"<<standin votes=-1; delays=0.05>> {i}") for i in range(90)]
+        for t in turns:
+            await bus.publish("turns", t)
+        await eventually(lambda: all_acked(bus), 30, "every turn acked")
+        counts = Counter(s.id for s in await scored(bus))
+        assert counts == Counter({t.id: 1 for t in turns}), "\n\n".join(w.logs() for w in workers)
+        assert standin_total(standin) == 3 * 90  # nobody judged a turn twice
+        per_worker = [
+            metric(httpx.get(f"{w.ops}/metrics", timeout=5).text, "nextstate_judge_turns_total", outcome="scored")
+            for w in workers
+        ]
+        assert sum(per_worker) == 90 and sum(n > 0 for n in per_worker) >= 2, per_worker
+    finally:
+        for w in workers:
+            assert w.stop() == 0
+
+
+async def test_plugin_judge_process(bus: Bus, env: dict[str, str], unique: str) -> None:
+    good = make_turn(f"{unique}-a", "fine")
+    bad = make_turn(f"{unique}-b", "bad answer")
+    for t in (good, bad):
+        await bus.publish("turns", t)
+    judge = start_judge(env, "http://127.0.0.1:9", "plugin", type="tests.unit.test_judge_rules:plugin_sync")
+    try:
+        await eventually(lambda: all_acked(bus), what="both turns acked")
+        out = {s.id: s for s in await scored(bus)}
+        assert (out[good.id].reward, out[bad.id].reward) == (1, -1)
+        assert out[good.id].judge == "tests.unit.test_judge_rules:plugin_sync"
+        ready = httpx.get(f"{judge.ops}/readyz", timeout=5).json()
+        assert ready["checks"] == {"redis": "ok"}  # no LLM, no judge endpoint to check
+    finally:
+        assert judge.stop() == 0
+
+
+def test_bad_configuration_exits_2(env: dict[str, str]) -> None:
+    for extra, message in (
+        ({"NEXTSTATE_JUDGE__TYPE": "no_such_module_xyz:judge"}, "cannot import 'no_such_module_xyz'"),
+        ({"NEXTSTATE_JUDGE__VOTES": "0"}, "NEXTSTATE_JUDGE__VOTES"),
+        ({"NEXTSTATE_JUDGE__PROMPT_VERSION": "prm-v9"}, "unknown judge prompt version"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "services.judge"], cwd=REPO, env={**env, **extra, "PATH": "/usr/bin:/bin"},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr
