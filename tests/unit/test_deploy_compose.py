@@ -1,0 +1,387 @@
+"""docker-compose.yml, .env.example and the Dockerfiles, checked by parsing them.
+
+No Docker engine runs here, so the compose file must be right by construction: every
+command is a real entrypoint of the package, every `NEXTSTATE_*` variable is a real
+settings field (a typo fails), every secret is a `${VAR:?…}` that .env.example names,
+dependencies wait on health, judges scale. The helpers at the top (interpolation,
+settings-field resolution) are shared with test_deploy_k8s.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from shared.settings import Settings, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+ENV_EXAMPLE = REPO / ".env.example"
+
+# `${NAME}`, `${NAME:-default}`, `${NAME-default}`, `${NAME:?message}`, `${NAME?message}`.
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+_SECRET_WORDS = ("PASSWORD", "SECRET", "API_KEY", "TOKEN")
+
+
+# -- helpers (also used by test_deploy_k8s.py) --------------------------------------------
+def parse_env_file(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        assert sep, f"{path.name}: not NAME=value: {line!r}"
+        out[name.strip()] = value.strip()
+    return out
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """Compose's interpolation: `$$` is a literal `$`; `:?` fails on unset or empty."""
+
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        val = env.get(name)
+        if op in (":?", "?") and (val is None or (op == ":?" and val == "")):
+            raise LookupError(f"{name}: {arg}")
+        if op == ":-" and not val:
+            return arg
+        if op == "-" and val is None:
+            return arg
+        return val or ""
+
+    parts = value.split("$$")
+    return "$".join(_VAR.sub(one, p) for p in parts)
+
+
+def interpolate_tree(node: Any, env: Mapping[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [interpolate_tree(n, env) for n in node]
+    if isinstance(node, dict):
+        return {k: interpolate_tree(v, env) for k, v in node.items()}
+    return node
+
+
+def _strings(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, list):
+        for n in node:
+            yield from _strings(n)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(k)
+            yield from _strings(v)
+
+
+def referenced_vars(doc: Any) -> dict[str, str | None]:
+    """Every variable interpolated in a parsed YAML document (comments do not count)
+    -> its operator (None, ':-', '-', ':?', '?')."""
+    return {m.group(1): m.group(2) for s in _strings(doc) for m in _VAR.finditer(s.replace("$$", ""))}
+
+
+def filled_example_env() -> dict[str, str]:
+    """.env.example with every empty value filled the way a user would."""
+    env = parse_env_file(ENV_EXAMPLE)
+    for name, value in env.items():
+        if value == "":
+            env[name] = "./models/policy" if name.endswith("_DIR") else f"Filled{name.title()}0123".replace("_", "")
+    return env
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def unknown_env_vars(cls: type[BaseModel], names: list[str]) -> list[str]:
+    """The `NEXTSTATE_*` names that are not a field path of `cls` (pydantic-settings would
+    silently ignore them: extra="ignore"), e.g. NEXTSTATE_JUDGE__VOTE for votes."""
+    bad = []
+    for name in names:
+        parts = name.removeprefix("NEXTSTATE_").lower().split("__")
+        model: type[BaseModel] | None = cls
+        for i, part in enumerate(parts):
+            field = model.model_fields.get(part) if model is not None else None
+            if field is None or "" in parts:
+                bad.append(name)
+                break
+            model = _model_in(field.annotation) if i < len(parts) - 1 else None
+    return bad
+
+
+def settings_class(module: str) -> type[Settings]:
+    """The Settings subclass of `services.<x>` (the shared Settings for the CLI)."""
+    if module == "nextstate":
+        return Settings
+    mod = importlib.import_module(f"{module}.settings")
+    found = [
+        obj for obj in vars(mod).values()
+        if inspect.isclass(obj) and issubclass(obj, Settings) and obj.__module__ == mod.__name__
+    ]
+    assert len(found) == 1, f"{module}.settings defines {len(found)} Settings classes"
+    return found[0]
+
+
+def check_settings_env(module: str, env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """Every NEXTSTATE_* name is a real field, and the values validate (load_settings)."""
+    cls = settings_class(module)
+    names = [n for n in env if n.startswith("NEXTSTATE_")]
+    assert unknown_env_vars(cls, names) == [], f"{module}: not settings fields"
+    for name in [n for n in os.environ if n.startswith("NEXTSTATE_")]:
+        monkeypatch.delenv(name)
+    for name in names:
+        monkeypatch.setenv(name, str(env[name]))
+    return load_settings(cls)
+
+
+def python_module(argv: list[str]) -> str | None:
+    """`python -m services.x` -> "services.x"; the `nextstate` script -> "nextstate"."""
+    if argv[:1] == ["nextstate"]:
+        return "nextstate"
+    if len(argv) >= 3 and argv[0] in ("python", "python3") and argv[1] == "-m":
+        return argv[2]
+    return None
+
+
+def module_entrypoint_exists(module: str) -> bool:
+    if module == "nextstate":
+        pyproject = (REPO / "pyproject.toml").read_text()
+        found = re.search(r'^nextstate\s*=\s*"([\w.]+):\w+"', pyproject, re.M)
+        return found is not None and (REPO / (found.group(1).replace(".", "/") + ".py")).is_file()
+    return module.startswith("services.") and (REPO / module.replace(".", "/") / "__main__.py").is_file()
+
+
+# -- the compose file ---------------------------------------------------------------------
+def compose(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    raw = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(raw, dict)
+    return dict(interpolate_tree(raw, filled_example_env() if env is None else env))
+
+
+def services() -> dict[str, dict[str, Any]]:
+    return dict(compose()["services"])
+
+
+def ours() -> Iterator[tuple[str, dict[str, Any], str]]:
+    """Services built from our Dockerfiles, with their package entrypoint."""
+    for name, svc in services().items():
+        if "build" in svc:
+            argv = list(svc.get("entrypoint") or []) + list(svc.get("command") or [])
+            module = python_module(argv)
+            assert module is not None, f"{name}: command {argv} is not python -m / nextstate"
+            yield name, svc, module
+
+
+def long_running(svc: Mapping[str, Any]) -> bool:
+    return bool(svc.get("restart", "no") != "no")
+
+
+# Keys of a compose-spec service this file may use; anything else is likely a typo.
+KNOWN_SERVICE_KEYS = {
+    "build", "command", "container_name", "depends_on", "deploy", "entrypoint", "environment",
+    "env_file", "healthcheck", "image", "init", "ipc", "networks", "ports", "profiles",
+    "restart", "shm_size", "stop_grace_period", "ulimits", "volumes", "user", "working_dir",
+    "labels", "logging", "expose", "extra_hosts", "read_only", "tmpfs", "security_opt",
+}
+
+
+def test_top_level_shape() -> None:
+    doc = compose()
+    assert set(doc) <= {"name", "services", "volumes", "networks", "configs", "secrets"} | {
+        k for k in doc if k.startswith("x-")
+    }
+    for name, svc in doc["services"].items():
+        assert set(svc) <= KNOWN_SERVICE_KEYS, f"{name}: unknown keys {set(svc) - KNOWN_SERVICE_KEYS}"
+
+
+def test_required_variables_are_in_env_example_and_secrets_ship_empty() -> None:
+    refs = referenced_vars(yaml.safe_load(COMPOSE.read_text()))
+    example = parse_env_file(ENV_EXAMPLE)
+    assert set(refs) <= set(example), f"not in .env.example: {sorted(set(refs) - set(example))}"
+    required = {n for n, op in refs.items() if op in (":?", "?")}
+    assert {"MINIO_ROOT_PASSWORD", "REDIS_PASSWORD", "NEXTSTATE_COLLECTOR__API_KEYS"} <= required
+    secrets = [n for n in example if any(w in n for w in _SECRET_WORDS) or n.endswith("_KEYS")]
+    assert secrets and all(example[n] == "" for n in secrets), "ship no secret values"
+    # As shipped (secrets empty), compose refuses to start, naming the variable.
+    with pytest.raises(LookupError, match=r"set \w+ in \.env"):
+        compose(parse_env_file(ENV_EXAMPLE))
+
+
+def test_prod_everywhere_with_no_default_credentials() -> None:
+    for name, svc, _ in ours():
+        env = svc.get("environment") or {}
+        assert env.get("NEXTSTATE_ENV") == "prod", name
+    raw = COMPOSE.read_text()
+    assert "minioadmin" not in raw
+
+
+def test_commands_are_real_entrypoints() -> None:
+    found = {module for _, _, module in ours()}
+    assert {"services.engine", "services.collector", "services.judge", "services.buffer",
+            "services.trainer", "services.watcher", "nextstate"} <= found
+    for module in found:
+        assert module_entrypoint_exists(module), f"no entrypoint for {module}"
+
+
+def test_build_contexts_dockerfiles_and_images() -> None:
+    for name, svc in services().items():
+        if "build" not in svc:
+            continue
+        context = REPO / svc["build"]["context"]
+        dockerfile = context / svc["build"]["dockerfile"]
+        assert context.is_dir() and dockerfile.is_file(), name
+    light = (REPO / "deploy/Dockerfile.light").read_text()
+    torch_df = (REPO / "deploy/Dockerfile.torch").read_text()
+    assert "torch" not in re.sub(r"#.*", "", light).lower(), "the light image must not pull torch"
+    assert "engine" not in re.findall(r'pip install "\.\[([^]]*)\]"', light)[0]
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in torch_df
+    for text in (light, torch_df):
+        users = re.findall(r"^USER\s+(\S+)", text, re.M)
+        assert users and users[-1] not in ("root", "0"), "images run as a non-root user"
+    ignore = (REPO / ".dockerignore").read_text().split()
+    assert "*" in ignore and "!shared" in ignore and "!services" in ignore
+
+
+def test_judge_scales() -> None:
+    judge = services()["judge"]
+    assert "container_name" not in judge
+    for port in judge.get("ports", []):
+        assert ":" not in str(port), f"judge publishes a fixed host port: {port}"
+    assert not any("container_name" in svc for name, svc, _ in ours())
+
+
+def test_long_running_services_have_healthchecks() -> None:
+    for name, svc in services().items():
+        if long_running(svc):
+            test = (svc.get("healthcheck") or {}).get("test")
+            assert test and test[0] in ("CMD", "CMD-SHELL"), f"{name} has no healthcheck"
+
+
+def test_healthchecks_probe_the_configured_port() -> None:
+    for name, svc, module in ours():
+        if not long_running(svc):
+            continue
+        url = re.search(r"http://127\.0\.0\.1:(\d+)/(\w+)", " ".join(svc["healthcheck"]["test"]))
+        assert url and url.group(2) in ("readyz", "healthz"), name
+        group = module.split(".")[-1].upper()
+        assert svc["environment"][f"NEXTSTATE_{group}__PORT"] == url.group(1), name
+        assert svc["environment"][f"NEXTSTATE_{group}__HOST"] == "0.0.0.0", name
+
+
+def test_depends_on_targets_exist_and_wait_for_health() -> None:
+    svcs = services()
+    for name, svc in svcs.items():
+        deps = svc.get("depends_on") or {}
+        assert isinstance(deps, dict), f"{name}: use the long depends_on form with conditions"
+        for target, spec in deps.items():
+            assert target in svcs, f"{name} depends on unknown {target}"
+            dep = svcs[target]
+            if long_running(dep):
+                assert "healthcheck" in dep and spec["condition"] == "service_healthy", (name, target)
+            else:
+                assert spec["condition"] == "service_completed_successfully", (name, target)
+            # A dependency outside the dependent's profiles must be optional.
+            if set(dep.get("profiles", [])) - set(svc.get("profiles", [])) and dep.get("profiles"):
+                assert spec.get("required") is False, f"{name} -> {target} needs required: false"
+
+
+def test_both_engines_answer_as_engine() -> None:
+    svcs = services()
+    cpu, gpu = svcs["engine-cpu"], svcs["engine-gpu"]
+    assert cpu["profiles"] == ["cpu"] and gpu["profiles"] == ["gpu"]
+    for svc in (cpu, gpu):
+        assert "engine" in svc["networks"]["default"]["aliases"]
+    assert svcs["trainer-cpu"]["profiles"] == ["cpu"] and svcs["trainer-gpu"]["profiles"] == ["gpu"]
+    for name, var in (("collector", "NEXTSTATE_COLLECTOR__ENGINE_URL"),
+                      ("watcher", "NEXTSTATE_WATCHER__ENGINE_URL"),
+                      ("judge", "NEXTSTATE_JUDGE__ENGINE_URL")):
+        assert svcs[name]["environment"][var] == "http://engine:30000"
+    argv = gpu["entrypoint"] + gpu["command"]
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+
+    def flag(name: str) -> str:
+        return str(argv[argv.index(name) + 1])
+
+    assert flag("--model-path") == "/models/policy" and flag("--host") == "0.0.0.0"
+    assert flag("--port") == "30000" and flag("--weight-version") == "0"
+    assert "--enable-metrics" in argv
+
+
+def test_gpu_services_reserve_gpus() -> None:
+    svcs = services()
+    for name in ("engine-gpu", "trainer-gpu"):
+        devices = svcs[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert any("gpu" in d["capabilities"] and d["driver"] == "nvidia" for d in devices), name
+    for name in ("engine-cpu", "trainer-cpu"):
+        assert "deploy" not in svcs[name]
+
+
+def test_checkpoints_volume_is_shared_by_watcher_and_engines() -> None:
+    doc = compose()
+    svcs = doc["services"]
+    local_dir = svcs["watcher"]["environment"]["NEXTSTATE_WATCHER__LOCAL_DIR"]
+    assert f"checkpoints:{local_dir}" in svcs["watcher"]["volumes"]
+    assert "NEXTSTATE_WATCHER__ENGINE_DIR" not in svcs["watcher"]["environment"]
+    for name in ("engine-cpu", "engine-gpu"):
+        assert f"checkpoints:{local_dir}:ro" in svcs[name]["volumes"], name
+        assert "./models/policy:/models/policy:ro" in svcs[name]["volumes"], name
+    named = {v.split(":")[0] for s in svcs.values() for v in s.get("volumes", [])
+             if not v.startswith((".", "/"))}
+    assert named <= set(doc["volumes"]), f"undeclared volumes {named - set(doc['volumes'])}"
+    assert any(v.startswith("redis-data:") for v in svcs["redis"]["volumes"])
+    assert "--appendonly yes" in " ".join(svcs["redis"]["command"])
+
+
+def test_only_the_collector_is_published_beyond_loopback() -> None:
+    for name, svc in services().items():
+        for port in svc.get("ports", []):
+            if name != "collector":
+                assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port}"
+
+
+@pytest.mark.parametrize("name", ["engine-cpu", "collector", "judge", "buffer", "trainer-cpu",
+                                  "trainer-gpu", "watcher", "ctl"])
+def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = dict((n, m) for n, _, m in ours())[name]
+    if module != "nextstate" and not module_entrypoint_exists(module):
+        pytest.fail(f"{module} has no __main__.py yet")
+    env = {k: str(v) for k, v in services()[name]["environment"].items()}
+    settings = check_settings_env(module, env, monkeypatch)
+    assert settings.env == "prod"
+    assert settings.redis.url.startswith("redis://:") and settings.redis.url.endswith("@redis:6379/0")
+
+
+def test_a_typo_fails_the_field_check() -> None:
+    judge = settings_class("services.judge")
+    assert unknown_env_vars(judge, ["NEXTSTATE_JUDGE__VOTES", "NEXTSTATE_REDIS__URL"]) == []
+    assert unknown_env_vars(judge, ["NEXTSTATE_JUDGE__VOTE"]) == ["NEXTSTATE_JUDGE__VOTE"]
+    assert unknown_env_vars(judge, ["NEXTSTATE_JUDGE_VOTES"]) == ["NEXTSTATE_JUDGE_VOTES"]
+    assert unknown_env_vars(judge, ["NEXTSTATE_REDIS__URL__X"]) == ["NEXTSTATE_REDIS__URL__X"]
+    assert unknown_env_vars(judge, ["NEXTSTATE_BUFFER__PORT"]) == ["NEXTSTATE_BUFFER__PORT"]
+
+
+def test_interpolation_helper() -> None:
+    env = {"A": "1", "E": ""}
+    assert interpolate("${A}-${B:-x}-${E:-y}-${E-z}-$${A}", env) == "1-x-y--${A}"
+    with pytest.raises(LookupError, match="E: need E"):
+        interpolate("${E:?need E}", env)
+    assert interpolate("${E?need E}", env) == ""
+
