@@ -112,6 +112,11 @@ async def all_acked(bus: Bus) -> bool:
     return bool(groups) and int(groups[0]["pending"]) == 0 and groups[0]["lag"] == 0
 
 
+async def get(url: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=5) as client:
+        return await client.get(url)
+
+
 def standin_total(s: StandinThread) -> int:
     return int(httpx.get(f"{s.url}/stats", timeout=5).json()["total"])
 
@@ -128,7 +133,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 async def test_turns_in_scored_turns_out(bus: Bus, env: dict[str, str], standin: StandinThread, unique: str) -> None:
-    cases = {  # directive in the next state -> (reward, scores of answered votes, errored votes)
+    cases: dict[str, tuple[int, list[int | None], int]] = {  # directive in the next state -> (reward, scores of answered votes, errored votes)
         "votes=1,1,1": (1, [1, 1, 1], 0),
         "votes=1,-1,-1": (-1, [-1, -1, 1], 0),
         "votes=1,-1,0": (0, [-1, 0, 1], 0),
@@ -175,9 +180,9 @@ async def test_turns_in_scored_turns_out(bus: Bus, env: dict[str, str], standin:
         # the down turn: 3 deliveries x 3 calls x 2 attempts.
         assert standin_total(standin) == 3 * 8 + 2 + 18
 
-        ready = httpx.get(f"{judge.ops}/readyz", timeout=5)
+        ready = await get(f"{judge.ops}/readyz")
         assert ready.status_code == 200 and ready.json()["checks"] == {"redis": "ok", "judge": "ok"}
-        text = httpx.get(f"{judge.ops}/metrics", timeout=5).text
+        text = (await get(f"{judge.ops}/metrics")).text
         assert metric(text, "nextstate_judge_votes_total", kind="prm", outcome="unparsable") == 5
         assert metric(text, "nextstate_judge_disagreement_total", kind="prm") == 3
         assert metric(text, "nextstate_judge_turns_total", outcome="side") == 1
@@ -226,7 +231,7 @@ async def test_three_workers_score_each_turn_exactly_once(bus: Bus, env: dict[st
         assert counts == Counter({t.id: 1 for t in turns}), "\n\n".join(w.logs() for w in workers)
         assert standin_total(standin) == 3 * 90  # nobody judged a turn twice
         per_worker = [
-            metric(httpx.get(f"{w.ops}/metrics", timeout=5).text, "nextstate_judge_turns_total", outcome="scored")
+            metric((await get(f"{w.ops}/metrics")).text, "nextstate_judge_turns_total", outcome="scored")
             for w in workers
         ]
         assert sum(per_worker) == 90 and sum(n > 0 for n in per_worker) >= 2, per_worker
@@ -246,7 +251,7 @@ async def test_plugin_judge_process(bus: Bus, env: dict[str, str], unique: str) 
         out = {s.id: s for s in await scored(bus)}
         assert (out[good.id].reward, out[bad.id].reward) == (1, -1)
         assert out[good.id].judge == "tests.unit.test_judge_rules:plugin_sync"
-        ready = httpx.get(f"{judge.ops}/readyz", timeout=5).json()
+        ready = (await get(f"{judge.ops}/readyz")).json()
         assert ready["checks"] == {"redis": "ok"}  # no LLM, no judge endpoint to check
     finally:
         assert judge.stop() == 0
