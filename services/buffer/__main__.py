@@ -1,8 +1,8 @@
 """`python -m services.buffer [--host H] [--port N] [--tokenizer PATH]`: run the buffer.
 
 Settings come from `NEXTSTATE_BUFFER__*` (see settings.py); the flags override them.
-uvicorn serves the app and handles SIGTERM/SIGINT: the lifespan then stops the
-consumer gracefully (settings → logging → run, as every service).
+SIGTERM/SIGINT stop uvicorn (in-flight requests finish), then the lifespan stops the
+consumer gracefully and the process exits 0 (settings → logging → run, as every service).
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from typing import Any
 
 from services.buffer.settings import BufferSettings
-from shared.errors import SettingsError
+from shared.errors import NextstateError, SettingsError
 from shared.settings import load_settings
-from shared.telemetry import configure_logging
+from shared.telemetry import configure_logging, embedded_server
 
 log = logging.getLogger("services.buffer")
 
@@ -31,18 +32,25 @@ def parse_args(argv: list[str] | None) -> dict[str, Any]:
 
 
 async def run(settings: BufferSettings) -> int:
-    import uvicorn
-
     from services.buffer.app import build_app
 
     cfg = settings.buffer
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(settings), host=cfg.host, port=cfg.port, log_config=None, log_level="warning",
-        lifespan="on", timeout_graceful_shutdown=max(1, int(settings.streams.shutdown_grace_s)),
-    ))
-    log.info("serving", extra={"host": cfg.host, "port": cfg.port})
-    await server.serve()
-    return 0 if server.started else 1  # not started: the lifespan failed (logged)
+    app = build_app(settings)
+    server = embedded_server(app, cfg.host, cfg.port)
+    server.config.timeout_graceful_shutdown = max(1, int(settings.streams.shutdown_grace_s))
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        log.info("signal received, stopping")
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    # Our lifespan around uvicorn's serve: requests drain first, then the consumer stops.
+    async with app.router.lifespan_context(app):
+        log.info("serving", extra={"host": cfg.host, "port": cfg.port})
+        await server.serve()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log, "buffer")
     try:
         return asyncio.run(run(settings))
+    except NextstateError as exc:
+        log.error("buffer stopped: %s", exc)
+        return 1
     except KeyboardInterrupt:
         return 0
 

@@ -9,7 +9,7 @@ Inclusion (DESIGN.md "Rewards and advantages"):
   combine: either of the two.
 
 At least one sample per session: a session's *final* turn (closed by `session_done` or
-`ttl`, or without a next state) that the rules above exclude is kept anyway, flagged
+`ttl`, or without a next state, None or empty) that the rules above exclude is kept anyway, flagged
 `forced=True`, when the session has produced fewer than `min_samples_per_session`
 samples. A forced sample has `loss_mask` = 1 on every response token and the turn's own
 reward, which for a forced turn is 0 in rl mode (else it would have been included) and
@@ -52,7 +52,7 @@ class Verdict:
 def is_final(scored: ScoredTurn) -> bool:
     """The session's last turn: closed by session end or expiry, or nothing came after it."""
     turn = scored.turn
-    return turn.closed_by in FINAL_CLOSES or turn.next_state is None or not scored.judged
+    return turn.closed_by in FINAL_CLOSES or not turn.next_state or not scored.judged
 
 
 def classify(scored: ScoredTurn, mode: Mode) -> Verdict:
