@@ -1,0 +1,149 @@
+"""OPD end to end: the real judge process, the scripted stand-in (hint votes), the real CPU engine.
+
+What the trainer relies on: teacher_prompt_ids are the policy's chat template over the
+turn's messages with the hint appended to the last user message, and teacher_logprobs
+are the engine's own log-probs of exactly teacher_prompt_ids + response_ids, one per
+response token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.ctl.infra import free_port
+from shared.chat import ChatTemplate
+from shared.schemas import ScoredTurn, Turn
+from shared.settings import Settings
+from shared.streams import Bus
+from tests.integration.test_judge_service import all_acked, eventually, get, scored, start_judge
+from tests.support.judge_standin import StandinThread
+from tests.support.servers import ServiceProcess
+
+pytestmark = pytest.mark.integration
+
+HINT = "The user wants the temperature in degrees Celsius."
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[str]:
+    port = free_port()
+    proc = ServiceProcess(
+        "engine", env={"NEXTSTATE_ENV": "test", "NEXTSTATE_ENGINE__THREADS": "1"},
+        args=["--model", str(tiny_model), "--port", str(port)],
+    )  # fmt: skip
+    try:
+        proc.start().wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def standin() -> Iterator[StandinThread]:
+    with StandinThread(free_port()) as s:
+        yield s
+
+
+@pytest.fixture
+async def bus(settings: Settings) -> AsyncIterator[Bus]:
+    async with Bus(settings) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def template(tiny_model: Path) -> ChatTemplate:
+    return ChatTemplate.from_pretrained(tiny_model)
+
+
+def opd_turn(template: ChatTemplate, session: str, directive: str, tools: Any = None) -> Turn:
+    messages = [
+        {"role": "system", "content": "You are a weather bot."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    response_ids = [*template.encode_text("It is 75 degrees and sunny in paris"), *template.stop_token_ids[:1]]
+    return Turn(
+        session_id=session, messages=messages, tools=tools,
+        response={"role": "assistant", "content": "It is 75 degrees and sunny in paris"},
+        prompt_ids=template.encode(messages, tools), response_ids=response_ids,
+        response_logprobs=[-1.0] * len(response_ids),
+        next_state=[{"role": "user", "content": f"In Celsius please. <<standin {directive}>>"}],
+    )  # fmt: skip
+
+
+async def engine_logprobs(engine: str, ids: list[int], n: int) -> list[float]:
+    """The engine's own log-probs of the last n of `ids`, from one raw /generate call."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0}
+    async with httpx.AsyncClient(timeout=60) as client:
+        resp = await client.post(f"{engine}/generate", json=body)
+    entries = resp.json()["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids
+    return [float(e[0]) for e in entries[-n:]]
+
+
+async def test_combine_mode_hint_and_teacher_logprobs(
+    bus: Bus, env: dict[str, str], standin: StandinThread, engine: str, template: ChatTemplate,
+    tiny_model: Path, unique: str,
+) -> None:  # fmt: skip
+    hinted = opd_turn(template, f"{unique}-h", f"votes=1,1,-1; hint_votes=1,1,-1; hints=Too short.|{HINT}|x", TOOLS)
+    plain = opd_turn(template, f"{unique}-p", "votes=-1; hint_votes=-1")
+    for t in (hinted, plain):
+        await bus.publish("turns", t)
+    judge = start_judge(env, standin.url, "opd", mode="combine", engine_url=engine,
+                        tokenizer=str(tiny_model), timeout_s="30")
+    try:
+        await eventually(lambda: all_acked(bus), 60, "both turns judged")
+        out = {s.id: s for s in await scored(bus)}
+    finally:
+        assert judge.stop() == 0
+
+    s = out[hinted.id]
+    assert (s.mode, s.reward, s.hint) == ("combine", 1, HINT)
+    assert (s.judge, s.prompt_version, s.judge_model) == ("prm+opd", "prm-v1+hint-v1", "standin-judge")
+    assert len(s.votes) == 6 and sorted(v.score for v in s.votes[3:] if v.score is not None) == [-1, 1, 1]
+
+    expected_messages = [
+        {"role": "system", "content": "You are a weather bot."},
+        {"role": "user", "content": f"What is the weather in Paris?\n\n[Hint] {HINT}"},
+    ]
+    assert s.teacher_prompt_ids == template.encode(expected_messages, TOOLS)
+    assert s.teacher_prompt_ids != hinted.prompt_ids
+    assert s.teacher_logprobs is not None and len(s.teacher_logprobs) == len(hinted.response_ids)
+    own = await engine_logprobs(engine, s.teacher_prompt_ids + hinted.response_ids, len(hinted.response_ids))
+    assert s.teacher_logprobs == pytest.approx(own, abs=1e-5)
+    # The hint changes the context, hence the log-probs (the same response under the original prompt).
+    original = await engine_logprobs(engine, hinted.prompt_ids + hinted.response_ids, len(hinted.response_ids))
+    assert max(abs(a - b) for a, b in zip(original, s.teacher_logprobs, strict=True)) > 1e-4
+
+    p = out[plain.id]
+    assert (p.mode, p.reward, p.hint, p.teacher_prompt_ids, p.teacher_logprobs) == ("combine", -1, None, None, None)
+
+
+async def test_opd_mode_only_hints(
+    bus: Bus, env: dict[str, str], standin: StandinThread, engine: str, template: ChatTemplate,
+    tiny_model: Path, unique: str,
+) -> None:  # fmt: skip
+    turn = opd_turn(template, unique, f"hint_votes=1; hints={HINT}")
+    await bus.publish("turns", turn)
+    judge = start_judge(env, standin.url, "opd-only", mode="opd", engine_url=engine,
+                        tokenizer=str(tiny_model), timeout_s="30")
+    try:
+        await eventually(lambda: all_acked(bus), 60, "the turn judged")
+        (s,) = await scored(bus)
+        ready = (await get(f"{judge.ops}/readyz")).json()
+    finally:
+        assert judge.stop() == 0
+    assert isinstance(s, ScoredTurn)
+    assert (s.mode, s.reward, s.judge, s.prompt_version, s.hint) == ("opd", 0, "opd", "hint-v1", HINT)
+    assert len(s.votes) == 3 and s.teacher_logprobs is not None
+    own = await engine_logprobs(engine, (s.teacher_prompt_ids or []) + turn.response_ids, len(turn.response_ids))
+    assert s.teacher_logprobs == pytest.approx(own, abs=1e-5)
+    assert ready["checks"] == {"redis": "ok", "judge": "ok", "engine": "ok"}
