@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
@@ -57,7 +58,6 @@ class Runtime:
 
     bus: Bus
     puller: Puller
-    consumer: Consumer[ScoredTurn] | None = None
     builder: TurnBuilder | None = None
     bucket: AsyncBucket | None = None
 
@@ -187,6 +187,13 @@ def build_app(settings: BufferSettings) -> FastAPI:
         return await _receive(rt(), request, cfg.receive_max_records, tokenize_lock)
 
     tokenize_lock = asyncio.Lock()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+            for e in exc.errors())
+        return error(400, problems)
 
     @app.exception_handler(Exception)
     async def unhandled(request: Request, exc: Exception) -> JSONResponse:

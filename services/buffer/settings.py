@@ -7,7 +7,7 @@
     NEXTSTATE_BUFFER__MIN_SAMPLES_PER_SESSION=1   at-least-one rule (0 turns it off)
     NEXTSTATE_BUFFER__ARCHIVE=true           gzip JSONL of every published sample in the bucket
     NEXTSTATE_BUFFER__ARCHIVE_ROLL_SAMPLES=1000   NEXTSTATE_BUFFER__ARCHIVE_ROLL_S=300
-    NEXTSTATE_BUFFER__HOST=127.0.0.1         NEXTSTATE_BUFFER__PORT=9101
+    NEXTSTATE_BUFFER__HOST=127.0.0.1         NEXTSTATE_BUFFER__PORT=8200
     NEXTSTATE_BUFFER__TOKENIZER=/models/policy    HF folder whose chat template tokenizes imports
 """
 
@@ -41,7 +41,7 @@ class BufferConfig(BaseModel):
     archive_retry_max_s: float = Field(30.0, gt=0, description="backoff cap for failed uploads")
 
     host: str = "127.0.0.1"
-    port: int = Field(9101, ge=0, le=65535)
+    port: int = Field(8200, ge=0, le=65535)
     tokenizer: str | None = Field(None, description="HF folder or hub id for POST /receive")
     receive_max_records: int = Field(1000, ge=1, description="records per POST /receive")
     get_data_max: int = Field(64, ge=1, description="largest n for GET /get_data")

@@ -30,7 +30,7 @@ import httpx
 
 from shared.errors import NextstateError
 
-DEFAULT_URL = "http://127.0.0.1:9101"
+DEFAULT_URL = "http://127.0.0.1:8200"
 URL_ENV = "NEXTSTATE_BUFFER_URL"
 
 

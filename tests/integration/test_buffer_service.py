@@ -184,7 +184,9 @@ async def test_get_data_returns_and_acknowledges_batches(
             await bus.publish(K.SCORED, scored_turn(f"s{i}", 0))
         late = (await waiting).json()
         assert late["count"] == 1 and loop.time() - began < 8
-        assert (await client.get("/get_data", params={"n": 0})).status_code == 422
+        bad = await client.get("/get_data", params={"n": 0})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["message"] == "query.n: Input should be greater than or equal to 1"
 
 
 async def _is(got: Any, want: Any) -> bool:
