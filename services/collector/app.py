@@ -1,0 +1,121 @@
+"""The collector's HTTP surface: `/v1/chat/completions`, `/v1/models`, and the ops routes.
+
+Every request to `/v1/*` is checked in this order, each failure answered in OpenAI's
+error shape: bearer key (401), body size (413, from Content-Length or while reading),
+JSON (400 invalid_json), schema and semantics (400 naming the `param`). Every answer
+carries `X-Policy-Version`: the engine weight version that produced it (for errors,
+the last one seen). `/healthz` is liveness, `/readyz` checks that the engine and Redis
+answer, `/metrics` is Prometheus.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from services.collector import metrics as M
+from services.collector.completion import ChatService
+from services.collector.openai_shapes import ApiError, dumps, model_list
+from services.collector.request import build_call, parse_body
+from services.collector.settings import CollectorConfig
+from shared.telemetry import add_ops_routes
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+def _error(err: ApiError, service: ChatService) -> Response:
+    headers = service.headers()
+    if err.status == 401:
+        headers["www-authenticate"] = "Bearer"
+    return Response(err.json_bytes(), status_code=err.status, media_type=JSON, headers=headers)
+
+
+class Guard:
+    """Bearer keys and the body-size limit."""
+
+    def __init__(self, cfg: CollectorConfig) -> None:
+        self.keys = [k.encode() for k in cfg.key_values()]
+        self.max_body = cfg.max_body_bytes
+
+    def check_auth(self, request: Request) -> None:
+        if not self.keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")  # fmt: skip
+        given = token.strip().encode()
+        ok = False
+        for key in self.keys:  # compare with every key: timing does not reveal which matched
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise self._too_large()
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise self._too_large()
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body exceeds {self.max_body} bytes",
+                        code="request_too_large")  # fmt: skip
+
+
+def build_app(
+    cfg: CollectorConfig, service: ChatService, checks: dict[str, Callable[[], Awaitable[object]]]
+) -> FastAPI:
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    guard = Guard(cfg)
+    add_ops_routes(app, checks)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        mode = "plain"
+        try:
+            guard.check_auth(request)
+            raw = await guard.read_body(request)
+            req = parse_body(raw)
+            call = build_call(req, request.headers, cfg)
+            if call.stream:
+                mode = "stream"
+                events, headers = await service.open_stream(call)
+                return StreamingResponse(events, media_type="text/event-stream",
+                                         headers={**headers, "cache-control": "no-cache"})  # fmt: skip
+            body, headers = await service.complete(call)
+        except ApiError as err:
+            M.REQUESTS.labels(mode, str(err.status)).inc()
+            return _error(err, service)
+        M.REQUESTS.labels(mode, "200").inc()
+        return Response(body, media_type=JSON, headers=headers)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            guard.check_auth(request)
+        except ApiError as err:
+            return _error(err, service)
+        return Response(dumps(model_list(service.model_name)), media_type=JSON,
+                        headers=service.headers())  # fmt: skip
+
+    @app.exception_handler(Exception)
+    async def unhandled(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", extra={"path": request.url.path})
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"),
+                      service)  # fmt: skip
+
+    return app

@@ -1,0 +1,355 @@
+"""Capture: pair each main-line response with its next state and emit it as a `Turn`.
+
+Per request (DESIGN.md "Pairing a turn with its next state"):
+
+1. `begin` — before the engine call, one Redis round trip: GETDEL the pending turn of
+   every prefix of the request that ends on an assistant message (see pairing.py) and
+   GET the lineage of the last one. Each pending turn found is closed: its next state
+   is what follows it in this request, and it is emitted in the background. The latest
+   one's PromptCache makes tokenization incremental; its session id and turn index
+   carry over to the new turn (the lineage does so for a branch whose parent was closed).
+2. `finish` — after the response is built, the new turn is stored as pending (bounded
+   by the Redis timeout, so the client's follow-up cannot outrun it), or emitted at
+   once with no next state when the request said `X-Session-Done: 1`.
+3. A sweeper emits pending turns past their deadline with no next state (closed_by
+   ttl); GETDEL makes it safe to run on every replica.
+
+Redis unreachable. Nothing on the request path waits longer than `redis_timeout_s`;
+the first failure switches capture to *spooling*: turns and pending-turn writes go to
+the local spool file (spool.py), and pending turns are also kept in a bounded
+in-memory map, so a conversation that continues on this replica still pairs during the
+outage (one that moves to another replica does not: its turn later expires). Closing
+one of those also spools a `closed` marker, so its pending write is not replayed. A
+background probe pings Redis every `redis_retry_s`; once it answers, the spool is
+replayed (RECOVERING: lookups use Redis and the map, writes still spool) and capture
+returns to Redis (UP). Branch lineage is not kept through an outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from services.collector import metrics as M
+from services.collector.pairing import Candidate, next_state
+from services.collector.pending_store import SWEEP_BATCH, PendingStore
+from services.collector.settings import CollectorConfig
+from services.collector.spool import Op, Spool
+from shared import keys as K
+from shared.chat import PromptCache
+from shared.errors import BusError
+from shared.schemas import Turn
+from shared.streams import Bus
+
+log = logging.getLogger(__name__)
+
+FAILURES = (RedisError, BusError, OSError, asyncio.TimeoutError)
+
+
+class State(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+    RECOVERING = "recovering"
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What a request learned from the turns it follows up."""
+
+    cache: PromptCache | None = None
+    session_id: str | None = None
+    turn_index: int = 0  # of the new turn
+    closed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    record: str
+    deadline: float
+    lineage: str
+
+
+def make_record(turn: Turn, cache: PromptCache, deadline: float) -> tuple[str, str]:
+    """(record, lineage): three JSON lines — header, PromptCache, Turn without prompt_ids
+    (they are the cache's ids) — so a request parses only the first two."""
+    header = json.dumps(
+        {"deadline": deadline, "session_id": turn.session_id, "turn_index": turn.turn_index},
+        separators=(",", ":"),
+    )
+    body = turn.model_dump_json(exclude={"prompt_ids"})
+    return f"{header}\n{cache.to_json()}\n{body}", header
+
+
+def closed_turn(
+    record: str, closed_by: str, state: list[dict[str, Any]] | None, ids: list[int] | None = None
+) -> str:
+    """The Turn JSON a pending record becomes once closed."""
+    _, cache_json, body = record.split("\n", 2)
+    d = json.loads(body)
+    d["prompt_ids"] = ids if ids is not None else json.loads(cache_json)["ids"]
+    d["next_state"] = state
+    d["closed_by"] = closed_by
+    return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
+
+
+class Capture:
+    def __init__(self, cfg: CollectorConfig, bus: Bus, spool: Spool) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.spool = spool
+        self.store = PendingStore(bus.redis, bus.keys, cfg.pending_ttl_s)
+        self.timeout = cfg.redis_timeout_s
+        self.state = State.RECOVERING if spool.has_data() else State.UP
+        self._local: OrderedDict[str, Held] = OrderedDict()
+        self._closed_here: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stop = asyncio.Event()
+        M.REDIS_UP.set(1 if self.state is State.UP else 0)
+
+    # -- the request path ------------------------------------------------------------
+
+    async def begin(self, messages: list[dict[str, Any]], cands: Sequence[Candidate]) -> Lookup:
+        """Close the pending turns this request follows up; what the new turn inherits."""
+        if not cands:
+            return Lookup()
+        keys = [c.key for c in cands]
+        records: list[str | None] = [None] * len(keys)
+        lineage: str | None = None
+        if self.state is not State.DOWN:
+            try:
+                records, lineage = await asyncio.wait_for(
+                    self.store.lookup(keys, keys[-1]), self.timeout
+                )
+            except FAILURES as exc:
+                self._down(exc)
+        if self._local:
+            for i, k in enumerate(keys):
+                held = self._local.pop(k, None) if records[i] is None else None
+                if held is not None:
+                    records[i] = held.record
+                    self._closed_locally(k)
+                    if i == len(keys) - 1 and lineage is None:
+                        lineage = held.lineage
+            M.FALLBACK_PENDING.set(len(self._local))
+        found = [(c, r) for c, r in zip(cands, records, strict=True) if r is not None]
+        if not found and lineage is None:
+            return Lookup()
+        cache: PromptCache | None = None
+        if found:
+            latest = found[-1][1]
+            header, cache_json, _ = latest.split("\n", 2)
+            cache = PromptCache.from_json(cache_json)
+            info = json.loads(lineage or header)
+            self._spawn(self._close(found, messages, cache.ids))
+            M.PENDING.labels("closed").inc(len(found))
+        else:
+            info = json.loads(lineage or "{}")
+        return Lookup(
+            cache=cache,
+            session_id=info.get("session_id"),
+            turn_index=int(info.get("turn_index", -1)) + 1,
+            closed=len(found),
+        )
+
+    async def finish(self, turn: Turn, cache: PromptCache, key: str) -> None:
+        """Store the new turn as pending, or emit it now if it ends its session."""
+        if turn.closed_by == "session_done":
+            self._spawn(self._emit(turn.to_json(), "session_done"))
+            return
+        now = time.time()
+        deadline = now + self.cfg.pending_ttl_s
+        record, lineage = make_record(turn, cache, deadline)
+        if self.state is State.UP:
+            try:
+                await asyncio.wait_for(self.store.put(key, record, deadline, lineage, now), self.timeout)
+                M.PENDING.labels("stored").inc()
+                return
+            except FAILURES as exc:
+                self._down(exc)
+        self._hold(key, Held(record, deadline, lineage))
+        M.PENDING.labels("stored").inc()
+
+    # -- emitting ------------------------------------------------------------------------
+
+    async def _close(self, found: list[tuple[Candidate, str]], messages: list[dict[str, Any]],
+                     latest_ids: list[int]) -> None:  # fmt: skip
+        for i, (cand, record) in enumerate(found):
+            ids = latest_ids if i == len(found) - 1 else None
+            await self._emit(closed_turn(record, "next_request", next_state(messages, cand.end), ids),
+                             "next_request")  # fmt: skip
+        if self.state is State.UP:
+            with contextlib.suppress(*FAILURES):
+                await asyncio.wait_for(self.store.forget([c.key for c, _ in found]), self.timeout)
+
+    async def _emit(self, data: str, closed_by: str) -> None:
+        M.TURNS.labels(closed_by).inc()
+        if self.state is State.UP:
+            try:
+                entry = await asyncio.wait_for(self.bus.publish_raw(K.TURNS, data), self.timeout)
+                if entry is None:
+                    M.SHED.labels("stream_bound").inc()
+                return
+            except FAILURES as exc:
+                self._down(exc)
+        self._spool({"op": "turn", "data": data})
+
+    # -- outage: spool and in-memory fallback --------------------------------------------
+
+    def _down(self, exc: BaseException) -> None:
+        M.REDIS_ERRORS.inc()
+        if self.state is not State.DOWN:
+            log.warning(
+                "Redis unreachable: capture spools to %s until it answers (%s)",
+                self.spool.path, type(exc).__name__ + (f": {exc}" if str(exc) else ""),
+            )
+            self.state = State.DOWN
+            M.REDIS_UP.set(0)
+
+    def _spool(self, op: Op) -> None:
+        if self.spool.append(op):
+            M.SPOOLED.labels(op["op"]).inc()
+        else:
+            M.SHED.labels("spool_full").inc()
+            log.warning("spool full, capture operation shed", extra={"op": op["op"],
+                        "max_bytes": self.spool.max_bytes})  # fmt: skip
+
+    def _hold(self, key: str, held: Held) -> None:
+        if self.cfg.fallback_max_pending:
+            self._local[key] = held
+            while len(self._local) > self.cfg.fallback_max_pending:
+                self._local.popitem(last=False)  # still in the spool: it reaches Redis later
+            M.FALLBACK_PENDING.set(len(self._local))
+        self._spool({"op": "pending", "h": key, "record": held.record,
+                     "deadline": held.deadline, "lineage": held.lineage})  # fmt: skip
+
+    def _closed_locally(self, key: str) -> None:
+        self._closed_here.add(key)
+        self._spool({"op": "closed", "h": key})
+
+    # -- background: sweeping, probing, flushing -------------------------------------------
+
+    async def run(self) -> None:
+        """Until `stop()`: sweep expired turns; while Redis is away, probe it and flush."""
+        while not self._stop.is_set():
+            try:
+                if self.state is State.UP:
+                    await self._sweep()
+                else:
+                    await self._recover()
+                self._sweep_local()
+            except Exception:
+                log.exception("capture background step failed")
+            wait = self.cfg.sweep_interval_s if self.state is State.UP else self.cfg.redis_retry_s
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _sweep(self) -> None:
+        for _ in range(16):
+            try:
+                won = await asyncio.wait_for(self.store.due(time.time()), self.timeout * 5)
+            except FAILURES as exc:
+                self._down(exc)
+                return
+            for _, record in won:
+                M.PENDING.labels("expired").inc()
+                await self._emit(closed_turn(record, "ttl", None), "ttl")
+            if len(won) < SWEEP_BATCH:
+                return
+
+    def _sweep_local(self) -> None:
+        now = time.time()
+        while self._local:
+            key, held = next(iter(self._local.items()))
+            if held.deadline > now:
+                break
+            self._local.popitem(last=False)
+            self._closed_locally(key)
+            M.PENDING.labels("expired").inc()
+            self._spawn(self._emit(closed_turn(held.record, "ttl", None), "ttl"))
+        M.FALLBACK_PENDING.set(len(self._local))
+
+    async def _recover(self) -> None:
+        try:
+            await asyncio.wait_for(self.bus.ping(), self.timeout)
+        except FAILURES:
+            return
+        self.state = State.RECOVERING
+        if await self._flush() and not self.spool.has_data():
+            self.state = State.UP
+            self._closed_here.clear()
+            M.REDIS_UP.set(1)
+            log.info("Redis answers again: spool replayed, capture back on Redis")
+
+    async def _flush(self) -> bool:
+        """Replay the spool into Redis, oldest first; False if Redis failed again."""
+        while ops := self.spool.take():
+            closed = {op["h"] for op in ops if op["op"] == "closed"}
+            for i, op in enumerate(ops):
+                kind = op["op"]
+                try:
+                    await self._replay(op, closed)
+                except FAILURES as exc:
+                    self.spool.settle(ops[i:])
+                    self._down(exc)
+                    return False
+                M.FLUSHED.labels(kind).inc()
+            self.spool.settle([])
+        return True
+
+    async def _replay(self, op: Op, closed: set[str]) -> None:
+        kind = op["op"]
+        if kind == "turn":
+            entry = await asyncio.wait_for(self.bus.publish_raw(K.TURNS, op["data"]), self.timeout)
+            if entry is None:
+                M.SHED.labels("stream_bound").inc()
+        elif kind == "pending":
+            key = op["h"]
+            if key in closed or key in self._closed_here:
+                return
+            # Claimed before the write: a request can no longer close it from memory,
+            # so it is closed at most once (from Redis, once written).
+            held = self._local.pop(key, None)
+            try:
+                await asyncio.wait_for(self.store.put(
+                    key, op["record"], float(op["deadline"]), op["lineage"], time.time()
+                ), self.timeout)  # fmt: skip
+            except FAILURES:
+                if held is not None:
+                    self._local[key] = held
+                raise
+        elif kind == "closed":
+            await asyncio.wait_for(self.store.drop([op["h"]]), self.timeout)
+
+    # -- tasks ------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("capture task failed", exc_info=task.exception())
+
+    async def drain(self, timeout: float) -> None:
+        """At shutdown: let in-flight emissions finish; one last flush if Redis answers."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        if self.state is not State.UP and self.spool.has_data():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._recover(), timeout)
+        self.spool.close()

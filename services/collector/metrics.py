@@ -1,0 +1,49 @@
+"""The collector's Prometheus metrics (served on /metrics with the process's others)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter(
+    "nextstate_collector_requests_total", "Chat completion requests answered",
+    ["mode", "status"],
+)  # fmt: skip
+REQUEST_SECONDS = Histogram(
+    "nextstate_collector_request_seconds", "Time from request to complete response",
+    ["mode"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)  # fmt: skip
+OVERHEAD_SECONDS = Histogram(
+    "nextstate_collector_overhead_seconds",
+    "Time the collector adds to a non-streamed request (total minus the engine call)",
+    buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
+)
+TOKENIZE = Counter(
+    "nextstate_collector_tokenize_total", "Prompt tokenizations, by how much was tokenized",
+    ["mode"],  # incremental | full
+)  # fmt: skip
+TURNS = Counter(
+    "nextstate_collector_turns_total", "Turns emitted to the turns stream (or the spool)",
+    ["closed_by"],
+)  # fmt: skip
+PENDING = Counter(
+    "nextstate_collector_pending_total", "Pending-turn events", ["event"],  # stored|closed|expired
+)
+SPOOLED = Counter(
+    "nextstate_collector_spooled_total", "Capture operations written to the local spool", ["op"]
+)
+FLUSHED = Counter(
+    "nextstate_collector_flushed_total", "Spooled operations replayed into Redis", ["op"]
+)
+SHED = Counter(
+    "nextstate_collector_shed_total", "Capture operations dropped, by reason",
+    ["reason"],  # stream_bound | spool_full
+)  # fmt: skip
+REDIS_ERRORS = Counter(
+    "nextstate_collector_redis_errors_total", "Redis operations that failed or timed out"
+)
+REDIS_UP = Gauge(
+    "nextstate_collector_redis_up", "1 when capture writes go to Redis, 0 while they spool"
+)
+FALLBACK_PENDING = Gauge(
+    "nextstate_collector_fallback_pending", "Pending turns held in memory during an outage"
+)

@@ -1,0 +1,110 @@
+"""The collector's configuration: `NEXTSTATE_COLLECTOR__*` on top of the shared settings.
+
+    NEXTSTATE_COLLECTOR__PORT=8000              NEXTSTATE_COLLECTOR__HOST=127.0.0.1
+    NEXTSTATE_COLLECTOR__ENGINE_KIND=sglang     sglang (also our CPU engine) or vllm
+    NEXTSTATE_COLLECTOR__ENGINE_URL=http://127.0.0.1:30000
+    NEXTSTATE_COLLECTOR__ENGINE_TIMEOUT_S=120   no answer (or no next stream chunk) -> 504
+    NEXTSTATE_COLLECTOR__API_KEYS=k1,k2         bearer keys (comma list or JSON list);
+                                                required when NEXTSTATE_ENV=prod
+    NEXTSTATE_COLLECTOR__TOKENIZER=/models/x    default: the engine's /model_info tokenizer_path
+    NEXTSTATE_COLLECTOR__DEFAULT_TURN_TYPE=main main | side (X-Turn-Type overrides per request)
+    NEXTSTATE_COLLECTOR__PENDING_TTL_S=1800     a turn nobody follows up is emitted without
+                                                a next state after this long
+    NEXTSTATE_COLLECTOR__SPOOL_PATH=...         turns kept here while Redis is unreachable
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from shared.settings import Settings
+from shared.toolparsers import tool_parser_names
+
+TurnTypeSetting = Literal["main", "side"]
+
+
+class CollectorConfig(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    # -- the engine ---------------------------------------------------------------------
+    engine_kind: Literal["sglang", "vllm"] = "sglang"
+    engine_url: str = "http://127.0.0.1:30000"
+    engine_timeout_s: float = Field(120.0, gt=0, description="per request / per stream chunk")
+    engine_connect_timeout_s: float = Field(5.0, gt=0)
+    engine_max_connections: int = Field(256, ge=1)
+    startup_timeout_s: float = Field(120.0, ge=0, description="wait this long for the engine at start")
+    served_model_name: str | None = None  # default: the engine's served_model_name
+    tokenizer: str | None = None  # default: the engine's /model_info tokenizer_path
+    chat_template: str | None = None  # a Jinja template overriding the tokenizer's
+
+    # -- requests -----------------------------------------------------------------------
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    tool_parser: str = "hermes"
+    reasoning: bool = False  # parse <think>…</think> into reasoning_content
+    default_temperature: float = Field(1.0, ge=0, le=2)
+    default_top_p: float = Field(1.0, gt=0, le=1)
+    default_top_k: int = -1
+    default_max_tokens: int | None = Field(None, ge=1)
+
+    # -- capture --------------------------------------------------------------------------
+    default_turn_type: TurnTypeSetting = "main"
+    pending_ttl_s: float = Field(1800.0, gt=0)
+    sweep_interval_s: float = Field(1.0, gt=0)
+    redis_timeout_s: float = Field(0.2, gt=0, description="the longest a request waits on Redis")
+    redis_retry_s: float = Field(0.5, gt=0, description="probe an unreachable Redis this often")
+    spool_path: Path | None = None  # default: .nextstate/collector-<port>.spool.jsonl
+    spool_max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    fallback_max_pending: int = Field(10_000, ge=0, description="pending turns kept in memory in an outage")
+    max_pairing_candidates: int = Field(64, ge=1, description="assistant messages checked per request")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            s = v.strip()
+            if s.startswith("["):
+                return json.loads(s)
+            return [p.strip() for p in s.split(",") if p.strip()]
+        return v
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _parser(cls, v: str) -> str:
+        if v not in tool_parser_names():
+            raise ValueError(f"unknown tool parser {v!r}; known: {', '.join(tool_parser_names())}")
+        return v
+
+    @field_validator("engine_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+    def key_values(self) -> list[str]:
+        return [k.get_secret_value() for k in self.api_keys]
+
+    def spool_file(self) -> Path:
+        if self.spool_path is not None:
+            return self.spool_path
+        return Path(".nextstate") / f"collector-{self.port}.spool.jsonl"
+
+
+class CollectorSettings(Settings):
+    collector: CollectorConfig = CollectorConfig()
+
+    @model_validator(mode="after")
+    def _keys_in_prod(self) -> CollectorSettings:
+        if self.env == "prod" and not self.collector.api_keys:
+            raise ValueError(
+                "NEXTSTATE_COLLECTOR__API_KEYS is empty: set at least one bearer key "
+                "when NEXTSTATE_ENV=prod (the collector refuses unauthenticated traffic there)"
+            )
+        return self
