@@ -89,8 +89,12 @@ class Keys:
 
     # -- buffer -------------------------------------------------------------------
     def session_samples(self, session_id: str) -> str:
-        """How many training samples a session has produced (for the at-least-one rule)."""
+        """Set of the turn ids a session has produced samples for (at-least-one rule)."""
         return f"{self.prefix}:session:{session_id}:samples"
+
+    def sample_batched(self, turn_id: str) -> str:
+        """Set once a turn's sample is in a published batch: never batched twice."""
+        return f"{self.prefix}:batched:{turn_id}"
 
     # -- policy versions ------------------------------------------------------------
     @property

@@ -82,7 +82,8 @@ class Turn(Message):
     tools: list[dict[str, Any]] | None = None
     response: dict[str, Any]
     # Exactly as the engine saw and sampled them. Empty (and logprobs None) only for
-    # turns imported as text (`source="import"`); the buffer tokenizes those.
+    # turns imported as text without a tokenizer (`source="import"`): the buffer's
+    # /receive tokenizes imports itself, so in practice they arrive with ids.
     prompt_ids: list[int] = Field(default_factory=list)
     response_ids: list[int] = Field(default_factory=list)
     response_logprobs: list[float] | None = None

@@ -8,7 +8,7 @@ and several buffer replicas:
   makes recording idempotent: a redelivered turn adds nothing. The at-least-one
   decision for a final turn counts the *other* members, so a redelivered forced turn is
   forced again instead of seeing itself and being dropped.
-- **Batched marks** (`keys.done("buffer-samples", turn_id)`): set in the same script
+- **Batched marks** (`keys.sample_batched(turn_id)`): set in the same script
   that adds the batch to `batches`. A turn already marked is refused (reported back),
   so a sample can never be in two batches — whatever redelivers it, and whichever
   replica batches it first.
@@ -26,7 +26,6 @@ from shared.streams import PUBLISHED, SHED, Bus
 
 # Marks "this turn id is in a published batch". A group name of its own keeps these
 # apart from the consumer's per-message marks (keys.done(GROUP_BUFFER, message id)).
-SAMPLE_MARKS = f"{K.GROUP_BUFFER}-samples"
 
 # KEYS[1] session set. ARGV: turn id, eligible (1|0), minimum, ttl.
 # Returns 1 kept, 2 kept by the at-least-one rule, 0 not kept.
@@ -81,7 +80,7 @@ class Ledger:
         self._publish = bus.redis.register_script(_PUBLISH)
 
     def mark_key(self, turn_id: str) -> str:
-        return self.keys.done(SAMPLE_MARKS, turn_id)
+        return self.keys.sample_batched(turn_id)
 
     async def lookup(self, turn_id: str) -> tuple[bool, int | None]:
         """(turn already batched?, the trainer's committed version or None) in one round trip."""

@@ -18,6 +18,8 @@ COMMANDS = (
     "services.ctl.status",
     "services.ctl.dlq",
     "services.ctl.rollback",
+    "services.ctl.importer",
+    "services.ctl.up",
 )
 
 
