@@ -47,6 +47,11 @@ try:  # inside a slime job
 except ImportError:  # pragma: no cover - depends on the environment
     from slime_standin import RolloutFnTrainOutput, Sample
 
+__all__ = [
+    "BufferUnavailable", "RolloutFnTrainOutput", "RolloutSource", "Sample", "SlimeConfig",
+    "SlimeSettings", "convert", "generate_rollout", "to_sample", "uniform_logprobs",
+]
+
 log = logging.getLogger(__name__)
 
 
