@@ -112,13 +112,13 @@ class Trainer:
             if mb is None:
                 continue
             tokens += mb.real_tokens
+            ref = self.reference_logprobs(mb)  # first: its activations are gone before ours exist
             logp = window_logprobs(self.model, mb)  # (B, W)
             old = torch.where(mb.has_old[:, None], mb.old_logprobs, logp.detach())
             loss, metrics = losses.policy_loss(
                 logp, old, advantages(mb, old, self.loss), mb.mask,
                 eps_clip=self.loss.eps_clip, eps_clip_high=self.loss.eps_clip_high,
-                kl_beta=self.loss.kl_beta, ref_logprobs=self.reference_logprobs(mb),
-                num_tokens=num_tokens,
+                kl_beta=self.loss.kl_beta, ref_logprobs=ref, num_tokens=num_tokens,
             )  # fmt: skip
             loss.backward()  # type: ignore[no-untyped-call]
             for k, v in metrics.items():
