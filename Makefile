@@ -33,8 +33,9 @@ bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check shared services tests bench
+	$(VENV)/bin/ruff check shared services tests bench deploy/slime
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -4,6 +4,7 @@
     ├── SettingsError          bad configuration at start; names the variable
     ├── MalformedMessage       a stream message or request body fails validation
     ├── BusError               Redis streams (publish, consume)
+    ├── BufferUnavailable      the buffer's pull API did not answer usefully (retried)
     ├── StoreError             the bucket
     │   ├── ObjectNotFound     the key does not exist (S3 NoSuchKey)
     │   ├── NoCheckpoint       no LATEST / manifest where one was expected
@@ -34,6 +35,10 @@ class MalformedMessage(NextstateError):
 
 class BusError(NextstateError):
     """A Redis streams operation failed."""
+
+
+class BufferUnavailable(NextstateError):
+    """The buffer did not answer GET /get_data usefully (down, 5xx, garbage); retried."""
 
 
 class StoreError(NextstateError):

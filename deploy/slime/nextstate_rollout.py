@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from shared.errors import NextstateError
+from shared.errors import BufferUnavailable
 from shared.schemas import TrainBatch, TrainSample, describe
 from shared.settings import Settings, load_settings
 
@@ -53,10 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class BufferUnavailable(NextstateError):
-    """The buffer did not answer GET /get_data usefully (down, 5xx, garbage); retried."""
 
 
 class SlimeConfig(BaseModel):
