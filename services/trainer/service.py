@@ -44,7 +44,7 @@ from services.trainer.step import Trainer
 from shared import keys as K
 from shared.checkpoints import manifest_key
 from shared.consumer import Consumer, Delivery, stop_on_signals
-from shared.errors import BusError, StoreError
+from shared.errors import BusError, MalformedMessage, StoreError
 from shared.schemas import CheckpointManifest, CheckpointPublished, TrainBatch
 from shared.store import AsyncBucket
 from shared.streams import Bus
@@ -106,6 +106,9 @@ class TrainerService:
     # -- the consumer's handler -------------------------------------------------------------------
     async def handle(self, batch: TrainBatch, delivery: Delivery) -> None:
         """Queue the batch for training; return once a committed version includes it."""
+        if batch.run != self.settings.run:
+            raise MalformedMessage(f"batch {batch.id} was built for run {batch.run!r}; this trainer "
+                                   f"trains run {self.settings.run!r} (check NEXTSTATE_RUN)")
         if batch.id in self.committed:
             M.REPLAYED.inc()
             log.info("batch already in a committed version, acking without training",

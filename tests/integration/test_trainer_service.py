@@ -16,12 +16,14 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import redis
 import torch
 
+from services.trainer.checkpoint import STATE_TENSORS, state_key
 from shared import keys as K
 from shared.checkpoints import list_versions, manifest_key, read_latest, read_manifest
 from shared.keys import Keys
@@ -152,7 +154,7 @@ class Harness:
         }
         self.run = settings.run
         self.keys = Keys(settings.redis.prefix)
-        self.redis = redis.Redis.from_url(settings.redis.url, decode_responses=True, socket_timeout=5)
+        self.redis: Any = redis.Redis.from_url(settings.redis.url, decode_responses=True, socket_timeout=5)
         self.bucket = Bucket(settings.bucket)  # direct, not through the proxy
 
     def start(self) -> ServiceProcess:
@@ -239,7 +241,7 @@ def test_versions_announcements_and_crash_replay(
         assert [m.step for m in manifests] == [1, 2, 3, 4]
         assert all(m.metrics["staleness"] >= 0 and "grad_norm" in m.metrics for m in manifests)
         # The optimizer carried over every restart: Adam has taken 4 steps, not 1 or 2.
-        raw = h.bucket.get_bytes(f"trainer-state/{h.run}/v000004/state.pt")
+        raw = h.bucket.get_bytes(state_key(h.run, 4, STATE_TENSORS))
         state = torch.load(io.BytesIO(raw), weights_only=True)
         steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
         assert steps == {4.0}

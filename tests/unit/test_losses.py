@@ -52,7 +52,7 @@ def test_asymmetric_clipping(log_ratio: float, adv: float, expected_ratio_term: 
     loss, m = clipped_pg_loss(logp, old, torch.tensor([[adv]]), torch.ones(1, 1), EPS, EPS_HIGH)
     assert loss.item() == pytest.approx(-expected_ratio_term * adv, rel=1e-5)
     assert m["clip_frac"].item() == (1.0 if clipped else 0.0)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     assert logp.grad is not None
     if clipped:
         assert logp.grad.item() == 0.0
@@ -83,7 +83,7 @@ def test_k3_kl_closed_form_nonnegative_and_zero_when_equal() -> None:
 def test_k3_kl_gradient_points_back_to_the_reference() -> None:
     logp = lp([[-2.0, -0.5]], grad=True)
     ref = lp([[-1.0, -1.0]])
-    k3_kl(logp, ref).sum().backward()
+    k3_kl(logp, ref).sum().backward()  # type: ignore[no-untyped-call]
     assert logp.grad is not None
     # d/dlogp [exp(ref-logp) - (ref-logp) - 1] = 1 - exp(ref-logp)
     assert torch.allclose(logp.grad, 1 - torch.exp(ref - logp.detach()))
@@ -154,7 +154,7 @@ def test_gradients_only_where_unclipped_and_unmasked() -> None:
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0]])
     loss, m = policy_loss(logp, old, adv, mask, eps_clip=EPS, eps_clip_high=EPS_HIGH,
                           kl_beta=0.0, num_tokens=4.0)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     assert logp.grad is not None
     nonzero = (logp.grad[0] != 0).tolist()
     assert nonzero == [True, False, False, False, True]
@@ -167,7 +167,7 @@ def test_extreme_log_ratio_gives_finite_gradients() -> None:
     old = lp([[-100.0, -1.0]])
     logp = lp([[-0.01, -1.0]], grad=True)
     loss, _ = clipped_pg_loss(logp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), EPS, EPS_HIGH)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     assert torch.isfinite(loss) and logp.grad is not None and torch.isfinite(logp.grad).all()
 
 
