@@ -133,6 +133,7 @@ class TrainerService:
         while True:
             batch = await self.queue.get()
             if batch is None or self.stopping.is_set():
+                self._hand_back(batch)
                 break
             fut = self.inflight[batch.id]
             try:
@@ -160,12 +161,14 @@ class TrainerService:
         self._hand_back_queued()
         await self.uploads.put(None)
 
+    def _hand_back(self, batch: TrainBatch | None) -> None:
+        """An untrained batch stays pending in the stream for the next start."""
+        if batch is not None and (fut := self.inflight.pop(batch.id, None)) is not None:
+            fut.cancel()
+
     def _hand_back_queued(self) -> None:
-        """Untrained batches stay pending in the stream for the next start."""
         while not self.queue.empty():
-            batch = self.queue.get_nowait()
-            if batch is not None and (fut := self.inflight.pop(batch.id, None)) is not None:
-                fut.cancel()
+            self._hand_back(self.queue.get_nowait())
 
     async def snapshot(self) -> None:
         await self.upload_slots.acquire()

@@ -248,3 +248,31 @@ def test_versions_announcements_and_crash_replay(
         assert h.redis.get(h.keys.trainer_version) == "4"
     finally:
         h.close()
+
+
+def test_sigterm_commits_the_partial_window_and_exits_cleanly(
+    s3_env: dict[str, str], s3_settings: Settings, tiny_model: Path, proxy: HoldingProxy
+) -> None:
+    h = Harness({**s3_env, "NEXTSTATE_TRAINER__CHECKPOINT_EVERY": "2", "NEXTSTATE_TRAINER__KL_BETA": "0"},
+                s3_settings, tiny_model, proxy)
+    proc = h.start()
+    try:
+        for n in (1, 2, 3):
+            h.publish(batch(n, h.run))
+        h.wait_latest(1, proc)
+
+        def steps() -> str:
+            return httpx.get(f"http://127.0.0.1:{h.port}/metrics", timeout=5).text
+
+        wait_until(lambda: "nextstate_trainer_steps_total 3.0" in steps(), 30, "three steps")
+        wait_until(lambda: h.pending() == 1, 30, "batches 1 and 2 acked")  # 3 waits for a version
+        assert proc.stop() == 0, proc.logs()
+        assert h.latest() == 2 and h.pending() == 0
+        m1, m2 = (read_manifest(h.bucket, manifest_key(h.run, v)) for v in (1, 2))
+        assert (m1.consumed_batch_ids, m1.step, m1.metrics["steps"]) == (["batch-1", "batch-2"], 2, 2.0)
+        assert (m2.consumed_batch_ids, m2.step) == (["batch-3"], 3)
+        assert "kl" not in m2.metrics  # beta = 0: no reference forward, no KL to report
+    finally:
+        if proc.proc is not None:
+            sigkill(proc)
+        h.close()
