@@ -98,6 +98,9 @@ def build_tiny_model(path: str | Path, seed: int = 0, hidden: int = 64, layers: 
     """Write a tokenizer + random Llama to `path` (an HF folder) and return it."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
