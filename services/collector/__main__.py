@@ -52,14 +52,12 @@ async def engine_info(engine: Any, wait_s: float) -> dict[str, Any]:
 
 
 async def run(settings: CollectorSettings) -> None:
-    import redis.asyncio as aioredis
     import uvicorn
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
 
     from services.collector.app import build_app
     from services.collector.capture import Capture
     from services.collector.completion import ChatService
+    from services.collector.pending_store import connect
     from services.collector.spool import Spool
     from shared.chat import ChatTemplate
     from shared.engine_client import make_engine_client
@@ -97,12 +95,7 @@ async def run(settings: CollectorSettings) -> None:
         template = await asyncio.to_thread(
             ChatTemplate.from_pretrained, tokenizer, chat_template=cfg.chat_template
         )
-        redis = aioredis.from_url(
-            settings.redis.url, decode_responses=True, protocol=2,
-            socket_connect_timeout=cfg.redis_timeout_s, socket_timeout=cfg.redis_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )  # fmt: skip
-        bus = Bus(settings, client=redis)
+        bus = Bus(settings, client=connect(settings.redis.url, cfg.redis_timeout_s))
         stack.push_async_callback(bus.aclose)
         spool = Spool(cfg.spool_file(), cfg.spool_max_bytes)
         capture = Capture(cfg, bus, spool)

@@ -22,6 +22,19 @@ from shared.keys import Keys
 SWEEP_BATCH = 256
 
 
+def connect(url: str, timeout: float) -> Any:
+    """A Redis client for the request path: every operation fails within `timeout`
+    (connect and read), with no retries — an outage is handled by spooling, not waiting."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return aioredis.from_url(
+        url, decode_responses=True, protocol=2, socket_connect_timeout=timeout,
+        socket_timeout=timeout, retry=Retry(NoBackoff(), 0),
+    )  # fmt: skip
+
+
 class PendingStore:
     def __init__(self, redis: Any, keys: Keys, ttl_s: float) -> None:
         self.redis = redis
