@@ -10,7 +10,8 @@
 `error` says what happened, so the vote is kept for audit and the caller applies the
 quorum rule. Retried (with doubling, jittered backoff): transport errors, per-attempt
 timeouts, 429 and 5xx. Not retried: other 4xx (the request or the key is wrong),
-and 2xx bodies without an answer.
+and 2xx bodies without an answer. The HTTP client is sharded (services/judge/http.py):
+httpx's single pool gets quadratically slower with hundreds of connections.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import httpx
 
 from services.judge import metrics
+from services.judge.http import ShardedClient
 from services.judge.settings import JudgeConfig
 
 log = logging.getLogger(__name__)
@@ -64,11 +66,11 @@ class JudgeBackend:
         headers = {"content-type": "application/json"}
         if cfg.api_key is not None:
             headers["authorization"] = f"Bearer {cfg.api_key.get_secret_value()}"
-        self.http = httpx.AsyncClient(
-            base_url=self.base_url(cfg.url),
+        self.http = ShardedClient(
+            self.base_url(cfg.url),
+            connections=pool,
             headers=headers,
             timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
             transport=transport,
         )
 

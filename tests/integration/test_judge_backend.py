@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -140,3 +141,11 @@ async def test_rule_then_prm_skips_the_llm_when_the_rule_is_decisive(backend: Ju
     v = await judge.judge(turn(f"{unique} and tomorrow? <<standin votes=-1>>"))
     assert (v.reward, v.judge, v.judge_model, v.prompt_version) == (-1, "prm", "judge-x", "prm-v1")
     assert len(v.votes) == 3 and stats(standin)["total"] == 3
+
+
+async def test_many_concurrent_calls_spread_over_small_pools(standin: StandinThread, unique: str) -> None:
+    async with make_backend(cfg(standin.url, concurrency=20, votes=3)) as b:
+        assert b.http.shards == 9  # 20 x 3 + 8 connections, 8 per shard
+        results = await asyncio.gather(*(b.call(ask("votes=1; delays=0.05", f"{unique}-{i}")) for i in range(68)))
+    assert all(r.ok and r.attempts == 1 for r in results)
+    assert stats(standin)["total"] == 68

@@ -31,7 +31,7 @@ import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httptools
 
@@ -114,9 +114,8 @@ class _Conn(asyncio.Protocol):
         self.previous: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        self.standin.open_transports.add(transport)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        self.standin.open_transports.add(self.transport)
 
     def data_received(self, data: bytes) -> None:
         try:
