@@ -20,6 +20,7 @@ COMMANDS = (
     "services.ctl.rollback",
     "services.ctl.importer",
     "services.ctl.up",
+    "services.ctl.demo",
 )
 
 

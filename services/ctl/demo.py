@@ -1,0 +1,209 @@
+"""`nextstate demo`: a simulated user with a clear success criterion, to watch learning happen.
+
+The user runs short sessions through the collector with the official `openai` client:
+it asks, reads the answer, and replies with natural praise when the answer meets the
+task's criterion or a correction when it does not — that reply is the answer's next
+state, which the judge scores. The last reply of a session goes out with
+`X-Session-Done: 1`. The display shows the success rate overall, over the recent
+window, and per policy version (from the `X-Policy-Version` response header), so the
+trend is visible as the trainer publishes and the watcher reloads.
+
+Tasks:
+  short   answer in at most 12 words (learnable by an instruct model: SmolLM2 rambles)
+  vowel   the answer starts with a vowel (for tiny random test models)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+QUESTIONS = [
+    "What is the capital of France?", "What do bees make?", "How many legs does a spider have?",
+    "What color is the sky on a clear day?", "What is 7 times 8?", "Who wrote Romeo and Juliet?",
+    "What is the largest planet in our solar system?", "What gas do plants absorb?",
+    "What is the boiling point of water in Celsius?", "Which ocean is the largest?",
+    "What is the freezing point of water in Fahrenheit?", "How many continents are there?",
+    "What language is spoken in Brazil?", "What is the square root of 81?",
+    "Which animal is known as the king of the jungle?", "What is H2O?",
+    "What is the tallest mountain on Earth?", "How many days are in a leap year?",
+    "What instrument has 88 keys?", "What is the chemical symbol for gold?",
+]
+PRAISE = ["Perfect, thanks!", "Great, that's exactly what I needed, thanks.", "Thank you, perfect.",
+          "Looks good, thanks!"]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    system: str
+    correction: str
+
+    def ok(self, text: str) -> bool:
+        words = text.split()
+        if self.name == "short":
+            return 0 < len(words) <= 12
+        if self.name == "vowel":
+            stripped = text.lstrip()
+            return bool(stripped) and stripped[0].lower() in "aeiou"
+        raise ValueError(self.name)
+
+
+TASKS = {
+    "short": Task("short", "You are a helpful assistant. The user likes short answers.",
+                  "That's wrong for me: far too long. Answer again in one short sentence."),
+    "vowel": Task("vowel", "Answer the question.", "Wrong, try again."),
+}
+
+
+@dataclass
+class Tally:
+    started: float = field(default_factory=time.monotonic)
+    turns: int = 0
+    ok: int = 0
+    errors: int = 0
+    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=50))
+    by_version: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    version: str = "?"
+
+    def add(self, version: str, ok: bool) -> None:
+        self.turns += 1
+        self.ok += ok
+        self.recent.append(ok)
+        self.version = version
+        v = self.by_version[version]
+        v[0] += 1
+        v[1] += ok
+
+    def summary(self) -> dict[str, Any]:
+        def key(v: str) -> tuple[int, str]:
+            return (int(v), v) if v.isdigit() else (-1, v)
+
+        return {
+            "turns": self.turns,
+            "success_rate": round(self.ok / self.turns, 3) if self.turns else None,
+            "errors": self.errors,
+            "elapsed_s": round(time.monotonic() - self.started, 1),
+            "by_version": [
+                {"version": v, "turns": n, "success_rate": round(k / n, 3)}
+                for v, (n, k) in sorted(self.by_version.items(), key=lambda kv: key(kv[0]))
+            ],
+        }
+
+    def line(self) -> str:
+        rate = self.ok / self.turns if self.turns else 0.0
+        recent = sum(self.recent) / len(self.recent) if self.recent else 0.0
+        bar = "#" * round(recent * 20)
+        return (f"{time.monotonic() - self.started:6.0f}s  turns {self.turns:5d}  success {rate:5.1%}  "
+                f"last {len(self.recent):2d}: {recent:5.1%} |{bar:<20}|  policy v{self.version}")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="drive the collector with a simulated user and show the reward trend")
+    p.add_argument("--url", default=os.environ.get("NEXTSTATE_DEMO_URL", "http://127.0.0.1:8000/v1"))
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "local"))
+    p.add_argument("--model", default="policy", help="model name sent to the collector")
+    p.add_argument("--task", choices=sorted(TASKS), default="short")
+    p.add_argument("--turns", type=int, default=0, help="stop after this many answers (0: until --minutes)")
+    p.add_argument("--minutes", type=float, default=10.0, help="stop after this long")
+    p.add_argument("--concurrency", type=int, default=4, help="sessions at once")
+    p.add_argument("--session-turns", type=int, default=3, help="questions per session")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.set_defaults(func=lambda a: asyncio.run(demo(a)))
+
+
+async def session(client: Any, args: argparse.Namespace, task: Task, tally: Tally, rng: random.Random,
+                  deadline: float) -> None:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": task.system},
+                                      {"role": "user", "content": rng.choice(QUESTIONS)}]
+    for i in range(args.session_turns):
+        last = i == args.session_turns - 1
+        raw = await client.chat.completions.with_raw_response.create(
+            model=args.model, messages=messages, max_tokens=args.max_tokens,
+            temperature=args.temperature,
+        )
+        completion = raw.parse()
+        answer = completion.choices[0].message.content or ""
+        ok = task.ok(answer)
+        tally.add(raw.headers.get("x-policy-version", "?"), ok)
+        feedback = rng.choice(PRAISE) if ok else task.correction
+        messages.append({"role": "assistant", "content": answer})
+        if last or time.monotonic() > deadline or (args.turns and tally.turns >= args.turns):
+            # The feedback to the last answer closes the session (its own reply is not needed).
+            messages.append({"role": "user", "content": feedback})
+            await client.chat.completions.create(
+                model=args.model, messages=messages, max_tokens=1,
+                extra_headers={"X-Session-Done": "1"},
+            )
+            return
+        messages.append({"role": "user", "content": f"{feedback} Next: {rng.choice(QUESTIONS)}"})
+
+
+async def demo(args: argparse.Namespace) -> int:
+    from openai import AsyncOpenAI, OpenAIError
+
+    task = TASKS[args.task]
+    tally = Tally()
+    deadline = time.monotonic() + args.minutes * 60
+    client = AsyncOpenAI(base_url=args.url, api_key=args.api_key, timeout=120.0, max_retries=1)
+    rng = random.Random(args.seed)
+    stop = asyncio.Event()
+
+    def done() -> bool:
+        return stop.is_set() or time.monotonic() > deadline or bool(args.turns and tally.turns >= args.turns)
+
+    async def worker(n: int) -> None:
+        local = random.Random(rng.random() + n)
+        while not done():
+            try:
+                await session(client, args, task, tally, local, deadline)
+            except OpenAIError as exc:
+                tally.errors += 1
+                print(f"request failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                await asyncio.sleep(1.0)
+
+    async def display() -> None:
+        while not done():
+            await asyncio.sleep(5.0)
+            print(tally.line(), flush=True)
+
+    if not args.json:
+        print(f"demo task '{task.name}' against {args.url}: {args.concurrency} simulated users; Ctrl-C stops")
+    workers = [asyncio.create_task(worker(i)) for i in range(args.concurrency)]
+    shower = asyncio.create_task(display()) if not args.json else None
+    try:
+        await asyncio.gather(*workers)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        stop.set()
+    finally:
+        if shower:
+            shower.cancel()
+        await client.close()
+    summary = summary_of(tally, task)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(tally.line())
+        print("success by policy version:")
+        for row in summary["by_version"]:
+            bar = "#" * round(row["success_rate"] * 40)
+            print(f"  v{row['version']:>4}  {row['turns']:5d} turns  {row['success_rate']:6.1%} |{bar:<40}|")
+    return 0
+
+
+def summary_of(tally: Tally, task: Task) -> dict[str, Any]:
+    out = tally.summary()
+    out["task"] = task.name
+    return out
+
