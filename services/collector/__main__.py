@@ -57,6 +57,7 @@ async def run(settings: CollectorSettings) -> None:
     from services.collector.app import build_app
     from services.collector.capture import Capture
     from services.collector.completion import ChatService
+    from services.collector.engine_transport import EngineTransport
     from services.collector.pending_store import connect
     from services.collector.spool import Spool
     from shared.chat import ChatTemplate
@@ -71,9 +72,12 @@ async def run(settings: CollectorSettings) -> None:
             yield  # signals are ours (below)
 
     async with contextlib.AsyncExitStack() as stack:
+        # Plain http: our lean keep-alive transport (engine_transport.py); https: httpx's own.
+        lean = EngineTransport(cfg.engine_max_connections) if cfg.engine_url.startswith("http://") else None
         engine = make_engine_client(
             cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
             connect_timeout=cfg.engine_connect_timeout_s, max_connections=cfg.engine_max_connections,
+            transport=lean,
         )  # fmt: skip
         stack.push_async_callback(engine.aclose)
         info: dict[str, Any] = {}
@@ -95,10 +99,12 @@ async def run(settings: CollectorSettings) -> None:
         template = await asyncio.to_thread(
             ChatTemplate.from_pretrained, tokenizer, chat_template=cfg.chat_template
         )
-        bus = Bus(settings, client=connect(settings.redis.url, cfg.redis_timeout_s))
+        bus = Bus(settings, client=connect(settings.redis.url, cfg.redis_background_timeout_s))
         stack.push_async_callback(bus.aclose)
+        fast = connect(settings.redis.url, cfg.redis_timeout_s)
+        stack.push_async_callback(fast.aclose)
         spool = Spool(cfg.spool_file(), cfg.spool_max_bytes)
-        capture = Capture(cfg, bus, spool)
+        capture = Capture(cfg, bus, spool, fast)
         service = ChatService(cfg, engine, template, capture, name,
                               str(info.get("weight_version") or "unknown"))  # fmt: skip
 

@@ -14,15 +14,23 @@ Per request (DESIGN.md "Pairing a turn with its next state"):
 3. A sweeper emits pending turns past their deadline with no next state (closed_by
    ttl); GETDEL makes it safe to run on every replica.
 
-Redis unreachable. Nothing on the request path waits longer than `redis_timeout_s`;
-the first failure switches capture to *spooling*: turns and pending-turn writes go to
-the local spool file (spool.py), and pending turns are also kept in a bounded
-in-memory map, so a conversation that continues on this replica still pairs during the
-outage (one that moves to another replica does not: its turn later expires). Closing
-one of those also spools a `closed` marker, so its pending write is not replayed. A
-background probe pings Redis every `redis_retry_s`; once it answers, the spool is
-replayed (RECOVERING: lookups use Redis and the map, writes still spool) and capture
-returns to Redis (UP). Branch lineage is not kept through an outage.
+Two Redis clients: the request path's (lookup, pending write) fails within
+`redis_timeout_s`; background work (publishing turns, sweeping, replaying the spool)
+allows `redis_background_timeout_s`, so a briefly slow Redis does not disturb it.
+
+Redis unreachable. Nothing on the request path waits longer than `redis_timeout_s`. A
+refused or dropped connection, or `SLOW_STRIKES` request-path timeouts in a row, switch
+capture to *spooling* (DOWN): turns and pending-turn writes go to the local spool file
+(spool.py), and pending turns are also kept in a bounded in-memory map, so a
+conversation that continues on this replica still pairs during the outage (one that
+moves to another replica does not: its turn later expires). Closing one of those also
+spools a `closed` marker, so its pending write is not replayed. A background probe
+pings Redis every `redis_retry_s`; once it answers, the spool is replayed (RECOVERING:
+lookups use Redis and the map, writes still spool) and capture returns to Redis (UP).
+A single timeout only degrades its own operation: a lookup pairs nothing, a pending
+write is spooled and replayed (if it had landed after all, the replay rewrites it; a
+turn emitted twice has the same id, and consumers deduplicate by id). Branch lineage
+is not kept through an outage.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.collector import metrics as M
 from services.collector.pairing import Candidate, next_state
@@ -54,6 +63,12 @@ from shared.streams import Bus
 log = logging.getLogger(__name__)
 
 FAILURES = (RedisError, BusError, OSError, asyncio.TimeoutError)
+SLOW_STRIKES = 3  # request-path timeouts in a row that count as Redis being down
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    cause = exc.__cause__ if isinstance(exc, BusError) else exc
+    return isinstance(cause, (asyncio.TimeoutError, RedisTimeoutError))
 
 
 class State(enum.Enum):
@@ -103,12 +118,17 @@ def closed_turn(
 
 
 class Capture:
-    def __init__(self, cfg: CollectorConfig, bus: Bus, spool: Spool) -> None:
+    """`bus` (its client: background timeouts) publishes turns; `fast` serves the request path."""
+
+    def __init__(self, cfg: CollectorConfig, bus: Bus, spool: Spool, fast: Any) -> None:
         self.cfg = cfg
         self.bus = bus
         self.spool = spool
+        self.fast = PendingStore(fast, bus.keys, cfg.pending_ttl_s)
         self.store = PendingStore(bus.redis, bus.keys, cfg.pending_ttl_s)
         self.timeout = cfg.redis_timeout_s
+        self.slow_timeout = cfg.redis_background_timeout_s
+        self._strikes = 0
         self.state = State.RECOVERING if spool.has_data() else State.UP
         self._local: OrderedDict[str, Held] = OrderedDict()
         self._closed_here: set[str] = set()
@@ -128,10 +148,11 @@ class Capture:
         if self.state is not State.DOWN:
             try:
                 records, lineage = await asyncio.wait_for(
-                    self.store.lookup(keys, keys[-1]), self.timeout
+                    self.fast.lookup(keys, keys[-1]), self.timeout
                 )
+                self._strikes = 0
             except FAILURES as exc:
-                self._down(exc)
+                self._failed(exc)
         if self._local:
             for i, k in enumerate(keys):
                 held = self._local.pop(k, None) if records[i] is None else None
@@ -169,15 +190,19 @@ class Capture:
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
         record, lineage = make_record(turn, cache, deadline)
+        held = Held(record, deadline, lineage)
+        M.PENDING.labels("stored").inc()
         if self.state is State.UP:
             try:
-                await asyncio.wait_for(self.store.put(key, record, deadline, lineage, now), self.timeout)
-                M.PENDING.labels("stored").inc()
+                await asyncio.wait_for(self.fast.put(key, record, deadline, lineage, now), self.timeout)
+                self._strikes = 0
                 return
             except FAILURES as exc:
-                self._down(exc)
-        self._hold(key, Held(record, deadline, lineage))
-        M.PENDING.labels("stored").inc()
+                self._failed(exc)
+            if self.state is State.UP:  # slow, not down: replay the write later
+                self._spool_pending(key, held)
+                return
+        self._hold(key, held)
 
     # -- emitting ------------------------------------------------------------------------
 
@@ -187,15 +212,12 @@ class Capture:
             ids = latest_ids if i == len(found) - 1 else None
             await self._emit(closed_turn(record, "next_request", next_state(messages, cand.end), ids),
                              "next_request")  # fmt: skip
-        if self.state is State.UP:
-            with contextlib.suppress(*FAILURES):
-                await asyncio.wait_for(self.store.forget([c.key for c, _ in found]), self.timeout)
 
     async def _emit(self, data: str, closed_by: str) -> None:
         M.TURNS.labels(closed_by).inc()
         if self.state is State.UP:
             try:
-                entry = await asyncio.wait_for(self.bus.publish_raw(K.TURNS, data), self.timeout)
+                entry = await asyncio.wait_for(self.bus.publish_raw(K.TURNS, data), self.slow_timeout)
                 if entry is None:
                     M.SHED.labels("stream_bound").inc()
                 return
@@ -205,8 +227,20 @@ class Capture:
 
     # -- outage: spool and in-memory fallback --------------------------------------------
 
+    def _failed(self, exc: BaseException) -> None:
+        """A request-path failure: down at once if Redis refused or dropped us, else only
+        after SLOW_STRIKES timeouts in a row."""
+        if _is_timeout(exc):
+            self._strikes += 1
+            if self._strikes < SLOW_STRIKES:
+                M.REDIS_ERRORS.inc()
+                log.debug("Redis slow on the request path (%s in a row)", self._strikes)
+                return
+        self._down(exc)
+
     def _down(self, exc: BaseException) -> None:
         M.REDIS_ERRORS.inc()
+        self._strikes = 0
         if self.state is not State.DOWN:
             log.warning(
                 "Redis unreachable: capture spools to %s until it answers (%s)",
@@ -229,6 +263,9 @@ class Capture:
             while len(self._local) > self.cfg.fallback_max_pending:
                 self._local.popitem(last=False)  # still in the spool: it reaches Redis later
             M.FALLBACK_PENDING.set(len(self._local))
+        self._spool_pending(key, held)
+
+    def _spool_pending(self, key: str, held: Held) -> None:
         self._spool({"op": "pending", "h": key, "record": held.record,
                      "deadline": held.deadline, "lineage": held.lineage})  # fmt: skip
 
@@ -244,6 +281,8 @@ class Capture:
             try:
                 if self.state is State.UP:
                     await self._sweep()
+                    if self.spool.has_data():  # writes that timed out while Redis was up
+                        await self._recover()
                 else:
                     await self._recover()
                 self._sweep_local()
@@ -259,7 +298,7 @@ class Capture:
     async def _sweep(self) -> None:
         for _ in range(16):
             try:
-                won = await asyncio.wait_for(self.store.due(time.time()), self.timeout * 5)
+                won = await asyncio.wait_for(self.store.due(time.time()), self.slow_timeout)
             except FAILURES as exc:
                 self._down(exc)
                 return
@@ -283,11 +322,12 @@ class Capture:
 
     async def _recover(self) -> None:
         try:
-            await asyncio.wait_for(self.bus.ping(), self.timeout)
+            await asyncio.wait_for(self.bus.ping(), self.slow_timeout)
         except FAILURES:
             return
-        self.state = State.RECOVERING
-        if await self._flush() and not self.spool.has_data():
+        if self.state is State.DOWN:
+            self.state = State.RECOVERING
+        if await self._flush() and not self.spool.has_data() and self.state is State.RECOVERING:
             self.state = State.UP
             self._closed_here.clear()
             M.REDIS_UP.set(1)
@@ -312,7 +352,7 @@ class Capture:
     async def _replay(self, op: Op, closed: set[str]) -> None:
         kind = op["op"]
         if kind == "turn":
-            entry = await asyncio.wait_for(self.bus.publish_raw(K.TURNS, op["data"]), self.timeout)
+            entry = await asyncio.wait_for(self.bus.publish_raw(K.TURNS, op["data"]), self.slow_timeout)
             if entry is None:
                 M.SHED.labels("stream_bound").inc()
         elif kind == "pending":
@@ -325,13 +365,13 @@ class Capture:
             try:
                 await asyncio.wait_for(self.store.put(
                     key, op["record"], float(op["deadline"]), op["lineage"], time.time()
-                ), self.timeout)  # fmt: skip
+                ), self.slow_timeout)  # fmt: skip
             except FAILURES:
                 if held is not None:
                     self._local[key] = held
                 raise
         elif kind == "closed":
-            await asyncio.wait_for(self.store.drop([op["h"]]), self.timeout)
+            await asyncio.wait_for(self.store.drop([op["h"]]), self.slow_timeout)
 
     # -- tasks ------------------------------------------------------------------------------
 

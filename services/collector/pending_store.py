@@ -48,10 +48,12 @@ class PendingStore:
     async def lookup(
         self, hashes: Sequence[str], lineage_of: str | None
     ) -> tuple[list[str | None], str | None]:
-        """GETDEL each candidate's pending record; GET the lineage of `lineage_of`."""
+        """GETDEL each candidate's pending record (and drop it from the deadlines: closed
+        now, or already); GET the lineage of `lineage_of`."""
         pipe = self.redis.pipeline(transaction=False)
         for h in hashes:
             pipe.getdel(self.keys.pending_turn(h))
+        pipe.zrem(self.keys.pending_deadlines, *hashes)
         if lineage_of is not None:
             pipe.get(self.keys.turn_lineage(lineage_of))
         out = await pipe.execute()
@@ -66,11 +68,6 @@ class PendingStore:
         pipe.zadd(self.keys.pending_deadlines, {h: deadline})
         pipe.set(self.keys.turn_lineage(h), lineage, px=px)
         await pipe.execute()
-
-    async def forget(self, hashes: Sequence[str]) -> None:
-        """Remove closed turns from the deadline set (the sweeper would, later)."""
-        if hashes:
-            await self.redis.zrem(self.keys.pending_deadlines, *hashes)
 
     async def drop(self, hashes: Sequence[str]) -> None:
         """Delete pending turns that were closed elsewhere (replaying a spool)."""

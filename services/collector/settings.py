@@ -58,6 +58,7 @@ class CollectorConfig(BaseModel):
     pending_ttl_s: float = Field(1800.0, gt=0)
     sweep_interval_s: float = Field(1.0, gt=0)
     redis_timeout_s: float = Field(0.2, gt=0, description="the longest a request waits on Redis")
+    redis_background_timeout_s: float = Field(5.0, gt=0, description="publishing, sweeping, replaying")
     redis_retry_s: float = Field(0.5, gt=0, description="probe an unreachable Redis this often")
     spool_path: Path | None = None  # default: .nextstate/collector-<port>.spool.jsonl
     spool_max_bytes: int = Field(512 * 1024 * 1024, ge=1024)

@@ -22,6 +22,7 @@ from shared.chat import PromptCache
 from shared.schemas import Turn
 from shared.settings import Settings
 from shared.streams import Bus
+from tests.support.collector_harness import StandIn
 from tests.support.servers import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -47,12 +48,17 @@ class Replicas:
         self.settings = settings
         self.tmp = tmp
         self.made: list[Capture] = []
+        self.fast: list[Any] = []
 
     def make(self, n: int = 0, **cfg: Any) -> Capture:
-        config = CollectorConfig(**{"redis_retry_s": 0.05, "sweep_interval_s": 0.05, **cfg})
-        bus = Bus(self.settings, client=connect(self.settings.redis.url, config.redis_timeout_s))
-        cap = Capture(config, bus, Spool(self.tmp / f"spool-{n}.jsonl", 1 << 20))
+        config = CollectorConfig(**{"redis_retry_s": 0.05, "sweep_interval_s": 0.05,
+                                    "redis_background_timeout_s": 2.0, **cfg})  # fmt: skip
+        url = self.settings.redis.url
+        bus = Bus(self.settings, client=connect(url, config.redis_background_timeout_s))
+        fast = connect(url, config.redis_timeout_s)
+        cap = Capture(config, bus, Spool(self.tmp / f"spool-{n}.jsonl", 1 << 20), fast)
         self.made.append(cap)
+        self.fast.append(fast)
         return cap
 
     async def turns(self) -> list[Turn]:
@@ -73,6 +79,8 @@ class Replicas:
             cap.stop()
             await cap.drain(2)
             await cap.bus.aclose()
+        for fast in self.fast:
+            await fast.aclose()
 
 
 @pytest.fixture
@@ -233,3 +241,28 @@ async def test_a_restarted_collector_replays_its_spool(settings: Settings, tmp_p
     finally:
         await reps.close()
         server.close()
+
+
+async def test_a_slow_redis_degrades_requests_but_is_down_only_after_repeated_timeouts(
+    settings: Settings, tmp_path: Path
+) -> None:
+    hung = StandIn(stall=True).start()  # accepts connections, never answers: a hung Redis
+    own = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": f"redis://127.0.0.1:{hung.port}/0"})})
+    reps = Replicas(own, tmp_path)
+    try:
+        cap = reps.make(0, redis_timeout_s=0.1)
+        msgs = [user("q")]
+        t1 = new_turn(msgs, "a1")
+        t0 = time.monotonic()
+        await cap.finish(t1, CACHE, response_hash(prefix_hashes(msgs), t1.response))
+        assert cap.state is State.UP  # one timeout: the write is spooled for later
+        follow, cands = follow_up(msgs, t1, "u2")
+        assert (await cap.begin(follow, cands)).closed == 0
+        assert cap.state is State.UP
+        await cap.begin(follow, cands)  # the third timeout in a row
+        assert state_of(cap) is State.DOWN
+        assert time.monotonic() - t0 < 1.0  # three requests, each bounded by the timeout
+        assert cap.spool.has_data()
+    finally:
+        await reps.close()
+        hung.stop()

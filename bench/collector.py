@@ -1,0 +1,211 @@
+"""The collector's own cost: client -> collector -> engine against client -> engine directly.
+
+Both arms drive the same fixed-latency stand-in engine (tests/support/standin_engine.py,
+SGLang's `/generate` over real HTTP), so the difference is what the proxy adds:
+templating, tokenization, pairing and capture in Redis (on: a private redis-server),
+response building. The load generator runs in its own process (the three processes
+and Redis share this machine's cores) with one pooled httpx client and N concurrent
+agents, each holding multi-turn conversations (`--turns` requests, the last one with
+`X-Session-Done: 1`, so pending turns are stored, closed and emitted and prompts are
+tokenized incrementally). The direct arm sends `/generate` with prompts of the same
+lengths as token ids. For each concurrency: completions/s, latency p50/p99 per arm,
+the added p50/p99, and the turns the collector emitted per second.
+
+    python bench/collector.py [--concurrency 1,16,64] [--seconds 6] [--latency-ms 5]
+                              [--profile out.prof]   (cProfile of the collector, at 16)
+
+Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
+completions/s per collector process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.servers import REPO, RedisServer, free_port, stop_process, wait_until
+
+WORDS = ("please look at the failing test in parser module and fix the import error then run "
+         "the build again and tell me what changed in the output thanks").split()  # fmt: skip
+
+
+# -- the load generator (a separate process) ------------------------------------------------
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def agent(arm: str, url: str, client: Any, rng: random.Random, turns: int,
+                stop_at: float, lat: list[float], prefix_ids: list[int]) -> None:  # fmt: skip
+    while time.perf_counter() < stop_at:
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": words(rng, 40)},
+                                      {"role": "user", "content": words(rng, 30)}]  # fmt: skip
+        for t in range(turns):
+            last = t == turns - 1
+            if arm == "collector":
+                body: dict[str, Any] = {"model": "m", "messages": msgs, "max_tokens": 32}
+                headers = {"x-session-done": "1"} if last else {}
+                t0 = time.perf_counter()
+                r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+                dt = time.perf_counter() - t0
+                r.raise_for_status()
+                msgs = [*msgs, r.json()["choices"][0]["message"],
+                        {"role": "user", "content": words(rng, rng.randint(5, 30))}]  # fmt: skip
+            else:
+                n = 90 + t * 45  # about the collector's prompt length at this turn
+                body = {"input_ids": (prefix_ids * (n // len(prefix_ids) + 1))[:n],
+                        "sampling_params": {"max_new_tokens": 32, "temperature": 1.0},
+                        "return_logprob": True, "stream": False}  # fmt: skip
+                t0 = time.perf_counter()
+                r = await client.post(url + "/generate", json=body)
+                dt = time.perf_counter() - t0
+                r.raise_for_status()
+                r.json()
+            if time.perf_counter() < stop_at:
+                lat.append(dt)
+            else:
+                return
+
+
+async def loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: int) -> dict[str, Any]:
+    import httpx
+
+    from services.collector.engine_transport import EngineTransport
+
+    # httpx's default pool costs the client ~5 ms of CPU per request at 64 connections
+    # (it scans and polls every pooled socket per request): the lean transport keeps the
+    # load generator from being the bottleneck. The same client drives both arms.
+    async with httpx.AsyncClient(timeout=30, transport=EngineTransport(concurrency)) as client:
+        # Warm up the connections (not measured).
+        warm: list[float] = []
+        await asyncio.gather(*(agent(arm, url, client, random.Random(-i - 1), 2, time.perf_counter() + 0.5,
+                                     warm, [260, 447, 274]) for i in range(concurrency)))  # fmt: skip
+        lat: list[float] = []
+        start = time.perf_counter()
+        stop_at = start + seconds
+        await asyncio.gather(*(agent(arm, url, client, random.Random(i), turns, stop_at, lat,
+                                     [260, 447, 274, 318, 474]) for i in range(concurrency)))  # fmt: skip
+        elapsed = time.perf_counter() - start
+    lat.sort()
+    return {"n": len(lat), "warm": len(warm), "rps": len(lat) / elapsed, "p50": lat[len(lat) // 2],
+            "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "mean": statistics.fmean(lat)}  # fmt: skip
+
+
+def run_loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--loadgen", arm, "--url", url, "--concurrency", str(concurrency),
+         "--seconds", str(seconds), "--turns", str(turns)],
+        cwd=REPO, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+# -- the harness ---------------------------------------------------------------------------------
+
+
+def start(argv: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ready(url: str) -> bool:
+    import httpx
+
+    return httpx.get(url, timeout=1).status_code == 200
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--latency-ms", type=float, default=5.0)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--profile", help="also run the collector under cProfile at concurrency 16")
+    p.add_argument("--loadgen", choices=["direct", "collector"], help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.loadgen:
+        import uvloop
+
+        res = uvloop.run(loadgen(a.loadgen, a.url, int(a.concurrency), a.seconds, a.turns))
+        print(json.dumps(res))
+        return
+
+    from tests.support.tiny_model import build_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-collector-"))
+    build_tokenizer(tmp)
+    redis_server = RedisServer().start()
+    engine_port, port = free_port(), free_port()
+    engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    standin = start([sys.executable, "-m", "tests.support.standin_engine", "--port", str(engine_port),
+                     "--latency-ms", str(a.latency_ms), "--tokenizer", str(tmp)])  # fmt: skip
+    env = {"NEXTSTATE_ENV": "dev", "NEXTSTATE_REDIS__URL": redis_server.url,
+           "NEXTSTATE_REDIS__PREFIX": "bench", "NEXTSTATE_LOG__LEVEL": "WARNING",
+           "NEXTSTATE_STREAMS__MAXLEN": "10000000", "NEXTSTATE_COLLECTOR__ENGINE_URL": engine_url,
+           "NEXTSTATE_COLLECTOR__PORT": str(port),
+           "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(tmp / "spool.jsonl")}  # fmt: skip
+    procs = [standin]
+    try:
+        wait_until(lambda: ready(engine_url + "/health"), 30, "stand-in engine")
+        collector = start([sys.executable, "-m", "services.collector"], env, tmp / "collector.log")
+        procs.append(collector)
+        wait_until(lambda: ready(url + "/readyz"), 90, "collector")
+        import redis
+
+        r = redis.Redis.from_url(redis_server.url)
+        print(f"stand-in latency {a.latency_ms} ms, {a.turns}-turn conversations, {a.seconds} s per "
+              f"arm; load generator in its own process; {os.cpu_count()} cores shared by all")  # fmt: skip
+        print(f"{'conc':>4} | {'direct/s':>8} {'p50 ms':>7} {'p99 ms':>7} | {'proxy/s':>8} {'p50 ms':>7} "
+              f"{'p99 ms':>7} | {'added p50':>9} {'added p99':>9} | {'turns/s':>7} {'cpu ms/req':>10}")  # fmt: skip
+        for c in [int(x) for x in a.concurrency.split(",")]:
+            direct = run_loadgen("direct", engine_url, c, a.seconds, a.turns)
+            before, cpu0 = r.xlen("bench:turns"), cpu_seconds(collector.pid)
+            t0 = time.perf_counter()
+            proxy = run_loadgen("collector", url, c, a.seconds, a.turns)
+            elapsed = time.perf_counter() - t0
+            emitted = (r.xlen("bench:turns") - before) / elapsed
+            # The collector's own CPU per completion (warm-up requests included in both).
+            cpu_ms = (cpu_seconds(collector.pid) - cpu0) * 1e3 / (proxy["n"] + proxy["warm"])
+            print(f"{c:>4} | {direct['rps']:>8.0f} {direct['p50'] * 1e3:>7.2f} {direct['p99'] * 1e3:>7.2f} | "
+                  f"{proxy['rps']:>8.0f} {proxy['p50'] * 1e3:>7.2f} {proxy['p99'] * 1e3:>7.2f} | "
+                  f"{(proxy['p50'] - direct['p50']) * 1e3:>9.2f} {(proxy['p99'] - direct['p99']) * 1e3:>9.2f} | "
+                  f"{emitted:>7.0f} {cpu_ms:>10.2f}", flush=True)  # fmt: skip
+        r.close()
+        if a.profile:
+            stop_process(collector)
+            prof = start([sys.executable, "/tmp/collector-dev/profrun.py", a.profile],
+                         env, tmp / "collector-prof.log")  # fmt: skip
+            procs.append(prof)
+            wait_until(lambda: ready(url + "/readyz"), 90, "profiled collector")
+            run_loadgen("collector", url, 16, a.seconds, a.turns)
+            stop_process(prof, timeout=30)
+            print(f"profile written to {a.profile}")
+    finally:
+        for proc in reversed(procs):
+            stop_process(proc)
+        redis_server.close()
+
+
+if __name__ == "__main__":
+    main()
