@@ -4,6 +4,7 @@ Configuration comes from `NEXTSTATE_*` / `NEXTSTATE_TRAINER__*` (services/traine
 invalid settings: a message on stderr naming the variable, exit code 2. torch is imported
 only once the configuration is known to be valid. One trainer per run: it resumes from
 the bucket (LATEST and its trainer state) and replays unacknowledged batches.
+`NEXTSTATE_TRAINER__BACKEND=ray` runs it data-parallel on Ray (services/trainer/ray_backend.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def main() -> int:
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log, "trainer")
+    if settings.trainer.backend == "ray":  # the same service, data-parallel on a Ray cluster
+        from services.trainer.ray_backend import main as main_on_ray
+
+        return main_on_ray(settings)
     from services.trainer.service import run
 
     try:

@@ -25,7 +25,9 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ from services.trainer.checkpoint import (
     take_snapshot,
 )
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import Trainer
+from services.trainer.step import Trainer, TrainerBroken
 from shared import keys as K
 from shared.checkpoints import manifest_key
 from shared.consumer import Consumer, Delivery, stop_on_signals
@@ -130,6 +132,7 @@ class TrainerService:
 
     # -- training ------------------------------------------------------------------------------------
     async def train_loop(self) -> None:
+        broken: TrainerBroken | None = None
         while True:
             batch = await self.queue.get()
             if batch is None or self.stopping.is_set():
@@ -138,6 +141,12 @@ class TrainerService:
             fut = self.inflight[batch.id]
             try:
                 metrics = await asyncio.to_thread(self.trainer.step, batch.samples, self.version)
+            except TrainerBroken as exc:  # not the batch's fault: stop, it is replayed on restart
+                log.error("trainer broken, stopping", extra={"batch_id": batch.id, "error": str(exc)})
+                self._hand_back(batch)
+                self.stop()
+                broken = exc
+                break
             except Exception as exc:
                 M.FAILED_BATCHES.inc()
                 log.error("training step failed", extra={"batch_id": batch.id, "error": str(exc)})
@@ -160,6 +169,8 @@ class TrainerService:
             await self.snapshot()
         self._hand_back_queued()
         await self.uploads.put(None)
+        if broken is not None:
+            raise broken
 
     def _hand_back(self, batch: TrainBatch | None) -> None:
         """An untrained batch stays pending in the stream for the next start."""
@@ -268,7 +279,15 @@ class TrainerService:
             await asyncio.gather(*workers, return_exceptions=True)
 
 
-async def run(settings: TrainerSettings) -> None:
+@dataclass(frozen=True)
+class Hooks:
+    """How another backend runs this same service (services/trainer/ray_backend.py: rank 0)."""
+
+    prepare: Callable[[Trainer], Trainer]  # on a worker thread once built, e.g. join a DDP group
+    stopped: Callable[[], Awaitable[object]]  # returns when to stop (instead of SIGTERM/SIGINT)
+
+
+async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
     """The process: ops endpoints, resume from the bucket, consume `batches` until SIGTERM."""
     import torch
 
@@ -300,6 +319,8 @@ async def run(settings: TrainerSettings) -> None:
             find_resume_point, bucket.sync, settings.run, work_dir / "resume", need_weights=not cfg.lora
         )
         trainer = await asyncio.to_thread(build_trainer, cfg, resume)
+        if hooks is not None:
+            trainer = await asyncio.to_thread(hooks.prepare, trainer)
         shutil.rmtree(work_dir / "resume", ignore_errors=True)
         static_dir = await asyncio.to_thread(
             write_tokenizer, cfg.tokenizer or cfg.model, work_dir / "static")
@@ -310,13 +331,29 @@ async def run(settings: TrainerSettings) -> None:
             name=cfg.consumer_name or f"trainer-{settings.run}",
             concurrency=cfg.consumer_concurrency,
         )
-        stop_on_signals(consumer, service)
+        if hooks is None:
+            stop_on_signals(consumer, service)
+        else:
+            stop_task = asyncio.create_task(_stop_when(hooks.stopped, consumer, service))
+            stack.push_async_callback(_cancel, stop_task)
         ready["service"] = service
         log.info("training", extra={"run": settings.run, "version": resume.version,
                                     "next_version": resume.next_version, "step": resume.step})
         await service.run(consumer)
         if service.failed is not None:
             raise service.failed
+
+
+async def _stop_when(
+    stopped: Callable[[], Awaitable[object]], consumer: Consumer[TrainBatch], service: TrainerService
+) -> None:
+    try:
+        await stopped()
+        log.info("stop requested, stopping")
+    except Exception as exc:  # whoever would tell us is gone: stopping is the safe side
+        log.warning("lost the stop signal's source, stopping", extra={"error": str(exc)})
+    consumer.stop()
+    service.stop()
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -12,6 +12,13 @@
     NEXTSTATE_TRAINER__LORA=false                LORA_RANK=16 LORA_ALPHA=32: publishes merged weights
     NEXTSTATE_TRAINER__DEVICE=auto               NEXTSTATE_TRAINER__DTYPE=auto (bf16 on GPU, fp32 on CPU)
     NEXTSTATE_TRAINER__HOST=127.0.0.1            NEXTSTATE_TRAINER__PORT=9103  (/healthz /readyz /metrics)
+
+Ray Train backend (services/trainer/ray_backend.py): data-parallel over a Ray cluster.
+
+    NEXTSTATE_TRAINER__BACKEND=local             local | ray
+    NEXTSTATE_TRAINER__RAY_ADDRESS=              cluster to join (default: RAY_ADDRESS, else a local one)
+    NEXTSTATE_TRAINER__NUM_WORKERS=2             DDP ranks       NEXTSTATE_TRAINER__USE_GPU=false (NCCL; else gloo)
+    NEXTSTATE_TRAINER__CPUS_PER_WORKER=1         Ray CPUs per rank (also its torch threads unless THREADS)
 """
 
 from __future__ import annotations
@@ -67,6 +74,16 @@ class TrainerConfig(BaseModel):
     shutdown_upload_s: float = Field(120.0, ge=0, description="on stop, wait this long for uploads")
     host: str = "127.0.0.1"
     port: int = Field(9103, ge=0, le=65535)
+    # -- Ray Train backend ---------------------------------------------------------------------------
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = Field(None, description="default: RAY_ADDRESS, else start a local cluster")
+    num_workers: int = Field(2, ge=1, description="data-parallel ranks (Ray Train workers)")
+    use_gpu: bool = Field(False, description="one GPU per rank, NCCL; otherwise CPU ranks over gloo")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per rank")
+    ray_storage: str | None = Field(None, description="Ray Train's run folder (default: under work_dir)")
+    ray_log_to_driver: bool = Field(True, description="stream the ranks' logs to this process")
+    collective_timeout_s: float = Field(1800.0, gt=0, description="a collective waiting longer fails the group")
+    heartbeat_s: float = Field(30.0, gt=0, description="while idle, rank 0 pings the others this often")
 
     @field_validator("model")
     @classmethod
@@ -93,6 +110,14 @@ class TrainerConfig(BaseModel):
     def _weights(self) -> TrainerConfig:
         if self.loss_mode == "combine" and self.w_rl == 0 and self.w_opd == 0:
             raise ValueError("combine mode with w_rl = w_opd = 0 trains nothing")
+        return self
+
+    @model_validator(mode="after")
+    def _ray(self) -> TrainerConfig:
+        if self.heartbeat_s >= self.collective_timeout_s:
+            raise ValueError("heartbeat_s must be shorter than collective_timeout_s (idle ranks would time out)")
+        if self.backend == "ray" and self.device not in ("auto", "cuda" if self.use_gpu else "cpu"):
+            raise ValueError("with backend=ray, use_gpu decides each rank's device: leave device=auto")
         return self
 
     @property

@@ -24,10 +24,15 @@ import torch
 from services.trainer import losses
 from services.trainer.batching import MicroBatch, collate, pack, trainable_tokens, trains
 from services.trainer.model import adapters_off, is_lora, trainable_parameters, window_logprobs
-from shared.errors import MalformedMessage
+from shared.errors import MalformedMessage, NextstateError
 from shared.schemas import Mode, TrainSample
 
 log = logging.getLogger(__name__)
+
+
+class TrainerBroken(NextstateError):
+    """The trainer itself cannot train any more (its data-parallel group broke): the service
+    stops and the batch is replayed after a restart, rather than failed and retried."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,11 @@ def make_optimizer(model: Any, cfg: OptimConfig) -> torch.optim.AdamW:
         trainable_parameters(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
         weight_decay=cfg.weight_decay,
     )  # fmt: skip
+
+
+def batch_tokens(samples: Sequence[TrainSample], mode: Mode) -> float:
+    """The batch's token-mean denominator: its trainable tokens, at least 1."""
+    return float(max(1, sum(trainable_tokens(s, mode) for s in samples)))
 
 
 def advantages(mb: MicroBatch, old: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -101,10 +111,18 @@ class Trainer:
             with adapters_off(self.model) as base:
                 return window_logprobs(base, mb)
 
-    def accumulate(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """Forward + backward over micro-batches, leaving the batch's gradient in `.grad`."""
+    def accumulate(
+        self, samples: Sequence[TrainSample], num_tokens: float | None = None
+    ) -> dict[str, float]:
+        """Forward + backward over micro-batches, leaving the batch's gradient in `.grad`.
+
+        `num_tokens` is the token-mean's denominator: by default these samples' trainable
+        tokens; a data-parallel rank passes the whole batch's, so that the ranks' gradients
+        (and metrics) add up to the single-process ones (services/trainer/ray_step.py).
+        """
         mode = self.loss.mode
-        num_tokens = float(max(1, sum(trainable_tokens(s, mode) for s in samples)))
+        if num_tokens is None:
+            num_tokens = batch_tokens(samples, mode)
         totals: dict[str, float] = {}
         tokens = 0
         for group in pack([len(s.tokens) for s in samples], self.micro_batch_tokens):
