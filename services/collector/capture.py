@@ -147,9 +147,8 @@ class Capture:
         lineage: str | None = None
         if self.state is not State.DOWN:
             try:
-                records, lineage = await asyncio.wait_for(
-                    self.fast.lookup(keys, keys[-1]), self.timeout
-                )
+                async with asyncio.timeout(self.timeout):
+                    records, lineage = await self.fast.lookup(keys, keys[-1])
                 self._strikes = 0
             except FAILURES as exc:
                 self._failed(exc)
@@ -194,7 +193,8 @@ class Capture:
         M.PENDING.labels("stored").inc()
         if self.state is State.UP:
             try:
-                await asyncio.wait_for(self.fast.put(key, record, deadline, lineage, now), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await self.fast.put(key, record, deadline, lineage, now)
                 self._strikes = 0
                 return
             except FAILURES as exc:
@@ -217,7 +217,8 @@ class Capture:
         M.TURNS.labels(closed_by).inc()
         if self.state is State.UP:
             try:
-                entry = await asyncio.wait_for(self.bus.publish_raw(K.TURNS, data), self.slow_timeout)
+                async with asyncio.timeout(self.slow_timeout):
+                    entry = await self.bus.publish_raw(K.TURNS, data)
                 if entry is None:
                     M.SHED.labels("stream_bound").inc()
                 return

@@ -51,6 +51,7 @@ class _Conn(asyncio.Protocol):
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.complete = False
+        self.keep_alive = False
         self.got_bytes = False
         self.error: Exception | None = None
         self.wakeup: asyncio.Event = asyncio.Event()
@@ -83,6 +84,8 @@ class _Conn(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        # Asked here: once the message is complete, httptools no longer knows.
+        self.keep_alive = self.parser.should_keep_alive()
         if not self.head.done():
             self.head.set_result(self.parser.get_status_code())
 
@@ -129,12 +132,13 @@ class _Conn(asyncio.Protocol):
                 raise self.error
             self.wakeup.clear()
             try:
-                await asyncio.wait_for(self.wakeup.wait(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    await self.wakeup.wait()
+            except TimeoutError:
                 raise httpx.ReadTimeout("no data from the engine within the read timeout") from None
 
     def reusable(self) -> bool:
-        return self.complete and not self.closed and self.parser.should_keep_alive()
+        return self.complete and not self.closed and self.keep_alive
 
     def close(self) -> None:
         self.closed = True
@@ -196,9 +200,10 @@ class EngineTransport(httpx.AsyncBaseTransport):
                 conn, reused = await self._connect(key, timeouts.get("connect")), False
             conn.begin(data)
             try:
-                await asyncio.wait_for(asyncio.shield(conn.head), timeouts.get("read"))
+                async with asyncio.timeout(timeouts.get("read")):
+                    await conn.head
                 return conn
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 conn.close()
                 raise httpx.ReadTimeout("the engine sent no response within the read timeout") from None
             except httpx.RemoteProtocolError:
