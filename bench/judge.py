@@ -2,9 +2,9 @@
 
 Real redis-server on a free port, the stand-in judge (tests/support/judge_standin.py,
 raw asyncio + httptools) as its own process answering every call after --latency
-(100 ms), the real `python -m services.judge` processes. The turns are published
-first, then the workers are started and the clock runs from their start until the
-last ScoredTurn is in `scored`; each process's CPU seconds are read from /proc, so the
+(100 ms), the real `python -m services.judge` processes. The workers are started
+and ready first; the clock runs from the first publish of the turns until the last
+ScoredTurn is in `scored` ("steady" counts from 10 % to 90 % scored, without warm-up); each process's CPU seconds are read from /proc, so the
 output says where the machine's cores went. `--profile` also runs one worker under
 cProfile and prints the top functions.
 
@@ -65,6 +65,13 @@ def make_turns(n: int, session: str) -> list[str]:
     ]  # fmt: skip
 
 
+def scrape(url: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples (all labels) on a /metrics page."""
+    text = httpx.get(url, timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))  # fmt: skip
+
+
 def healthy(url: str) -> Callable[[], bool]:
     return lambda: httpx.get(url, timeout=1).status_code == 200
 
@@ -103,20 +110,32 @@ def run(args: argparse.Namespace, redis_url: str, standin_url: str, workers: int
     }  # fmt: skip
     r = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=30)
     turns = make_turns(args.turns, prefix)
-    pipe = r.pipeline(transaction=False)
-    for data in turns:
-        pipe.xadd(keys.turns, {"data": data})
-    pipe.execute()
     procs = [start_worker(env, f"w{i}", profile) for i in range(workers)]
     try:
         for _, port in procs:
             wait_until(healthy(f"http://127.0.0.1:{port}/healthz"), 60, "judge worker")
-        # Imports done, ready: from here on the workers only judge.
+        # Every worker is up and blocked on the empty stream: the clock starts with the publish.
         cpu0 = [cpu_seconds(p.pid) for p, _ in procs]
         t0 = time.perf_counter()
-        wait_until(lambda: r.xlen(keys.scored) >= args.turns, 600, "every turn scored", interval=0.02)
+        for i in range(0, len(turns), 500):
+            pipe = r.pipeline(transaction=False)
+            for data in turns[i : i + 500]:
+                pipe.xadd(keys.turns, {"data": data})
+            pipe.execute()
+        marks: dict[float, float] = {}  # fraction scored -> seconds since t0
+        deadline = t0 + 600
+        while (done := int(r.xlen(keys.scored))) < args.turns:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"only {done} of {args.turns} turns scored in 600 s")
+            for frac in (0.1, 0.9):
+                if done >= frac * args.turns and frac not in marks:
+                    marks[frac] = time.perf_counter() - t0
+            time.sleep(0.02)
         elapsed = time.perf_counter() - t0
         cpu = [cpu_seconds(p.pid) - c for (p, _), c in zip(procs, cpu0, strict=True)]
+        steady = 0.8 * args.turns / max(marks.get(0.9, elapsed) - marks.get(0.1, 0.0), 1e-9)
+        retries = sum(scrape(f"http://127.0.0.1:{port}/metrics", "nextstate_judge_call_retries_total")
+                      for _, port in procs)  # fmt: skip
     finally:
         for p, _ in procs:
             p.send_signal(signal.SIGTERM)
@@ -129,7 +148,31 @@ def run(args: argparse.Namespace, redis_url: str, standin_url: str, workers: int
     with contextlib.suppress(Exception):
         r.delete(keys.turns, keys.scored)
     r.close()
-    return {"elapsed": elapsed, "rate": args.turns / elapsed, "judge_cpu": sum(cpu)}
+    return {"elapsed": elapsed, "rate": args.turns / elapsed, "steady": steady, "judge_cpu": sum(cpu),
+            "t10": marks.get(0.1, 0.0), "t90": marks.get(0.9, elapsed), "retries": retries}
+
+
+PACKAGES = {
+    "http client (httpx, httpcore, h11, anyio, sniffio)": ("/httpx/", "/httpcore/", "/h11/", "/anyio/", "/sniffio/"),
+    "redis-py": ("/redis/",),
+    "pydantic": ("/pydantic",),
+    "asyncio": ("/asyncio/",),
+    "services/judge": ("/services/judge/",),
+    "shared": ("/shared/",),
+    "prometheus": ("/prometheus_client/",),
+}
+
+
+def by_package(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """Share of own (exclusive) time per package; builtins count as "builtins / C"."""
+    totals: dict[str, float] = {}
+    entries = stats.stats  # type: ignore[attr-defined]
+    for (filename, _, _), (_, _, own, _, _) in entries.items():
+        group = next((g for g, marks in PACKAGES.items() if any(m in filename for m in marks)),
+                     "builtins / C" if filename == "~" else "other")  # fmt: skip
+        totals[group] = totals.get(group, 0.0) + own
+    whole = sum(totals.values()) or 1.0
+    return sorted(((g, 100 * t / whole) for g, t in totals.items()), key=lambda kv: -kv[1])
 
 
 def main() -> None:
@@ -167,19 +210,25 @@ def bench(args: argparse.Namespace, server: RedisServer, standin: subprocess.Pop
         cpu_r = cpu_seconds(redis_pid) - cpu_r0
         results[n] = res
         per_k = 1000 / args.turns
-        print(f"  {n} worker(s): {res['rate']:7.1f} turns/s ({res['rate'] * 3:6.0f} calls/s) in {res['elapsed']:.2f}s; "
-              f"CPU s per 1000 turns: judges {res['judge_cpu'] * per_k:.2f}, stand-in {cpu_s * per_k:.2f}, "
-              f"redis {cpu_r * per_k:.2f}")  # fmt: skip
+        cpu_ms = res["judge_cpu"] * per_k
+        print(f"  {n} worker(s): {res['rate']:6.1f} turns/s overall, {res['steady']:6.1f} steady (10-90 %), "
+              f"{res['steady'] * 3:5.0f} calls/s; {res['elapsed']:.1f} s; CPU ms per turn: judge {cpu_ms:.2f} "
+              f"(= {1000 / cpu_ms:.0f} turns/s per busy core), stand-in {cpu_s * per_k:.2f}, "
+              f"redis {cpu_r * per_k:.2f}; 10 % at {res['t10']:.1f} s, 90 % at {res['t90']:.1f} s; "
+              f"{res['retries']:.0f} call retries; load avg {os.getloadavg()[0]:.1f}")  # fmt: skip
     if 1 in results and 4 in results:
-        print(f"  scaling 4 vs 1: {results[4]['rate'] / results[1]['rate']:.2f}x (target >= 3.5x; "
+        print(f"  scaling 4 vs 1: {results[4]['steady'] / results[1]['steady']:.2f}x steady (target >= 3.5x; "
               f"per-process target >= 200 turns/s)")  # fmt: skip
     if args.profile:
         out = Path(tempfile.mkdtemp(prefix="judge-prof-")) / "judge.prof"
         res = run(args, server.url, standin_url, 1, profile=out)
-        print(f"  profiled worker: {res['rate']:.1f} turns/s (cProfile overhead included); top by own time:")
+        print(f"  profiled worker: {res['steady']:.1f} turns/s (cProfile overhead included); top by own time:")
+        stats = pstats.Stats(str(out), stream=io.StringIO())
+        print("    own CPU time by package: " + ", ".join(f"{k} {v:.0f} %" for k, v in by_package(stats)))
         buf = io.StringIO()
-        pstats.Stats(str(out), stream=buf).sort_stats("tottime").print_stats(25)
-        print("\n".join("    " + line for line in buf.getvalue().splitlines() if line.strip()))
+        stats.stream = buf  # type: ignore[attr-defined]
+        stats.sort_stats("tottime").print_stats(12)
+        print("\n".join("    " + line for line in buf.getvalue().splitlines()[-14:] if line.strip()))
 
 if __name__ == "__main__":
     main()

@@ -39,6 +39,8 @@ from shared.telemetry import Check, serve_ops
 
 log = logging.getLogger(__name__)
 
+PUBLISH_CONCURRENCY = 32  # Redis connections used for publishing at once (of the pool's 100)
+
 
 class JudgeService:
     def __init__(
@@ -52,6 +54,9 @@ class JudgeService:
         self.bus = bus
         self.judge = judge
         self.teacher = teacher
+        # redis-py's pool refuses (MaxConnectionsError) past 100 connections instead of
+        # waiting: with hundreds of turns in flight, publishes queue here instead.
+        self._publish_slots = asyncio.Semaphore(PUBLISH_CONCURRENCY)
 
     async def handle(self, turn: Turn, delivery: Delivery) -> None:
         if turn.turn_type == "side":
@@ -124,7 +129,7 @@ class JudgeService:
         data = scored.to_json()
         deadline = time.monotonic() + self.cfg.publish_wait_s
         delay = 0.1
-        while await self.bus.publish_raw(K.SCORED, data) is None:
+        while await self._publish_once(data) is None:
             if time.monotonic() + delay > deadline:
                 raise BusError(
                     f"{K.SCORED} stayed over its bound for {self.cfg.publish_wait_s}s: "
@@ -132,6 +137,11 @@ class JudgeService:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+    async def _publish_once(self, data: str) -> str | None:
+        async with self._publish_slots:
+            return await self.bus.publish_raw(K.SCORED, data)
 
 
 async def run(settings: JudgeSettings) -> None:

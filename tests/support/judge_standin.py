@@ -189,7 +189,7 @@ class _Conn(asyncio.Protocol):
 
 async def serve(standin: Standin, host: str, port: int) -> asyncio.Server:
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Conn(standin), host, port, backlog=2048)
+    return await loop.create_server(lambda: _Conn(standin), host, port, backlog=8192)
 
 
 class StandinThread:
