@@ -117,8 +117,9 @@ class ChatService:
 
     def headers(self, prep: Prepared | None = None, version: str | None = None) -> dict[str, str]:
         out = {"x-policy-version": version or self.weight_version}
-        if prep is not None:
-            out["x-session-id"] = prep.session_id
+        sid = prep.session_id if prep is not None else ""
+        if sid and sid.isascii() and sid.isprintable():  # headers are latin-1: echo only plain ids
+            out["x-session-id"] = sid
         return out
 
     async def _capture(

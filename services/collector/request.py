@@ -30,6 +30,7 @@ from shared.schemas import SamplingParams
 
 TurnType = Literal["main", "side"]
 MAX_STOP = 16
+MAX_ID = 256  # session ids and `user`
 TRUE = frozenset({"1", "true", "yes", "on"})
 
 
@@ -154,6 +155,9 @@ def build_call(req: ChatRequest, headers: Mapping[str, str], cfg: CollectorConfi
         seed=req.seed,
     )
     hint = headers.get("x-session-id") or req.session_id
+    for name, value in (("session_id", hint), ("user", req.user)):
+        if value is not None and len(value) > MAX_ID:
+            raise ApiError(400, f"{name} is longer than {MAX_ID} characters", param=name)
     return ChatCall(
         raw_messages=req.messages,
         messages=messages,

@@ -302,3 +302,14 @@ def test_ops_endpoints(stack: dict[str, str], client: openai.OpenAI) -> None:
     assert 'nextstate_collector_requests_total{mode="plain",status="200"}' in metrics
     assert "nextstate_collector_overhead_seconds_bucket" in metrics
     assert 'nextstate_collector_tokenize_total{mode="incremental"}' in metrics
+
+
+def test_session_ids_from_the_body_and_user(client: openai.OpenAI, turns: Turns) -> None:
+    sid = f"séance-{uuid.uuid4().hex[:6]}"  # not latin-1-safe as a header: kept, not echoed
+    _, headers = ask(client, [user("body session")], {"X-Session-Done": "1"},
+                     extra_body={"session_id": sid})  # fmt: skip
+    assert "x-session-id" not in headers
+    assert turns.wait(lambda ts: len(ts) == 1, sessions=[sid])[0].closed_by == "session_done"
+    who = f"user-{uuid.uuid4().hex[:6]}"
+    _, headers = ask(client, [user("by user")], {"X-Session-Done": "1"}, user=who)
+    assert headers["x-session-id"] == who

@@ -92,6 +92,8 @@ def test_headers_session_and_turn_type() -> None:
     assert (c.session_hint, c.turn_type, c.session_done) == ("hdr", "side", True)
     assert call({"messages": USER}, cfg=CollectorConfig(default_turn_type="side")).turn_type == "side"
     assert error({"messages": USER}, {"x-turn-type": "both"}).param == "X-Turn-Type"
+    assert error({"messages": USER, "session_id": "s" * 257}).param == "session_id"
+    assert error({"messages": USER, "user": "u" * 257}).param == "user"
 
 
 def test_unknown_and_ignored_fields_are_accepted() -> None:
