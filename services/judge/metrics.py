@@ -32,7 +32,7 @@ TURNS = Counter(
 )
 REWARDS = Counter("nextstate_judge_rewards_total", "Published rewards", ["judge", "reward"])
 HINTS = Counter(
-    "nextstate_judge_hints_total", "OPD hint outcomes: accepted, none (no vote gave one), no_user",
+    "nextstate_judge_hints_total", "OPD hint outcomes: accepted, none, no_user, no_response_ids, teacher_rejected",
     ["outcome"],
 )
 TEACHER_SECONDS = Histogram(

@@ -10,13 +10,17 @@
    messages (and tools) are rendered with the POLICY's chat template: teacher_prompt_ids.
 4. One token-in scoring call to the policy engine on teacher_prompt_ids + the turn's
    own response_ids from len(teacher_prompt_ids): one log-prob per response token,
-   aligned with response_ids (A_t = teacher_lp_t − old_lp_t in the trainer).
+   aligned with response_ids (A_t = teacher_lp_t − old_lp_t in the trainer). An engine
+   that is down or times out fails the turn (retried, then dead-lettered); an engine
+   that rejects the request (4xx, e.g. over its context length) leaves the teacher
+   fields None, since retrying cannot help.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,10 +34,13 @@ from services.judge.parsing import accepted_hint, extract_hint
 from services.judge.prompts import HINT_PROMPTS, judge_messages, prompt_for
 from services.judge.settings import JudgeConfig
 from services.judge.votes import cast_votes
+from shared.errors import EngineRejected
 from shared.schemas import Turn, Vote
 
 if TYPE_CHECKING:  # the engine client is imported only when OPD runs
     from shared.engine_client import EngineClient
+
+log = logging.getLogger(__name__)
 
 HINT_FORMAT = "\n\n[Hint] {hint}"
 
@@ -107,9 +114,16 @@ class Teacher:
         prompt_ids: list[int] = await loop.run_in_executor(
             self._encoder, self.template.encode, teacher_messages, turn.tools
         )
-        logprobs = await self.engine.score(
-            prompt_ids + list(turn.response_ids), len(prompt_ids), temperature=self.temperature(turn)
-        )
+        try:
+            logprobs = await self.engine.score(
+                prompt_ids + list(turn.response_ids), len(prompt_ids), temperature=self.temperature(turn)
+            )
+        except EngineRejected as exc:
+            # 4xx (e.g. the teacher prompt exceeds the context): retrying cannot help.
+            metrics.HINTS.labels("teacher_rejected").inc()
+            log.warning("teacher scoring rejected; no teacher log-probs for this turn",
+                        extra={"turn_id": turn.id, "error": str(exc)})  # fmt: skip
+            return OPDResult(votes=votes, hint=hint)
         metrics.TEACHER_SECONDS.observe(time.perf_counter() - started)
         return OPDResult(votes=votes, hint=hint, teacher_prompt_ids=prompt_ids, teacher_logprobs=logprobs)
 

@@ -95,12 +95,16 @@ async def test_combine_mode_hint_and_teacher_logprobs(
 ) -> None:  # fmt: skip
     hinted = opd_turn(template, f"{unique}-h", f"votes=1,1,-1; hint_votes=1,1,-1; hints=Too short.|{HINT}|x", TOOLS)
     plain = opd_turn(template, f"{unique}-p", "votes=-1; hint_votes=-1")
-    for t in (hinted, plain):
+    # Token ids the engine refuses (4xx): hint kept, no teacher, not retried forever.
+    refused = opd_turn(template, f"{unique}-r", f"votes=1; hint_votes=1; hints={HINT}").model_copy(
+        update={"response_ids": [10**7], "response_logprobs": [-1.0]}
+    )
+    for t in (hinted, plain, refused):
         await bus.publish("turns", t)
     judge = start_judge(env, standin.url, "opd", mode="combine", engine_url=engine,
                         tokenizer=str(tiny_model), timeout_s="30")
     try:
-        await eventually(lambda: all_acked(bus), 60, "both turns judged")
+        await eventually(lambda: all_acked(bus), 60, "every turn judged")
         out = {s.id: s for s in await scored(bus)}
     finally:
         assert judge.stop() == 0
@@ -125,6 +129,9 @@ async def test_combine_mode_hint_and_teacher_logprobs(
 
     p = out[plain.id]
     assert (p.mode, p.reward, p.hint, p.teacher_prompt_ids, p.teacher_logprobs) == ("combine", -1, None, None, None)
+    r = out[refused.id]
+    assert (r.reward, r.hint, r.teacher_prompt_ids, r.teacher_logprobs) == (1, HINT, None, None)
+    assert await bus.redis.xlen(bus.keys.dead) == 0
 
 
 async def test_opd_mode_only_hints(

@@ -66,11 +66,13 @@ class Judge(ServiceProcess):
 
 
 def start_judge(
-    env: dict[str, str], standin_url: str, name: str, *, claim_idle_ms: int = 1000, **judge: str
-) -> Judge:
+    env: dict[str, str], standin_url: str, name: str, *, claim_idle_ms: int = 1000,
+    read_count: int = 64, **judge: str,
+) -> Judge:  # fmt: skip
     port = str(free_port())
     proc_env = judge_env(env, standin_url, port=port, consumer_name=name, **judge)
     proc_env["NEXTSTATE_STREAMS__CLAIM_IDLE_MS"] = str(claim_idle_ms)
+    proc_env["NEXTSTATE_STREAMS__READ_COUNT"] = str(read_count)
     proc = Judge("judge", proc_env)
     try:
         proc.start().wait_http(f"http://127.0.0.1:{port}/healthz", timeout=60)
@@ -269,3 +271,21 @@ def test_bad_configuration_exits_2(env: dict[str, str]) -> None:
         )  # fmt: skip
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr
+
+
+async def test_hundreds_of_turns_in_flight_without_failures(bus: Bus, env: dict[str, str], standin: StandinThread, unique: str) -> None:
+    """200 turns (600 calls) in flight finish together: their publishes must not exhaust Redis."""
+    judge = start_judge(env, standin.url, "busy", read_count=256, concurrency="200", timeout_s="20")
+    try:
+        turns = [make_turn(f"{unique}-{i}", f"<<standin votes=1; delays=0.5>> {i}") for i in range(400)]
+        pipe = bus.redis.pipeline(transaction=False)
+        for t in turns:
+            pipe.xadd(bus.keys.turns, {"data": t.to_json()})
+        await pipe.execute()
+        await eventually(lambda: all_acked(bus), 60, "every turn acked")
+        assert Counter(s.id for s in await scored(bus)) == Counter({t.id: 1 for t in turns})
+        text = (await get(f"{judge.ops}/metrics")).text
+        assert metric(text, "nextstate_judge_turns_total", outcome="failed") == 0, judge.logs()
+        assert metric(text, "nextstate_judge_turns_total", outcome="scored") == 400
+    finally:
+        assert judge.stop() == 0
