@@ -3,7 +3,9 @@
     python -m services.trainer   with NEXTSTATE_TRAINER__BACKEND=ray
       this process   ray.init (RAY_ADDRESS / NEXTSTATE_TRAINER__RAY_ADDRESS, else a local
                      cluster) → TorchTrainer(num_workers, use_gpu: NCCL, else gloo).fit()
-                     SIGTERM/SIGINT → the stop actor; a second signal gives up waiting
+                     SIGTERM/SIGINT → the stop actor: rank 0 commits what it trained and
+                     returns, the others follow; a group still starting is simply shut
+                     down; a second signal gives up waiting
       rank 0         the local service unchanged (services/trainer/service.py): consumer on
                      `batches`, resume from LATEST + trainer state, acks after the commit
                      that holds the batch, ops endpoints on TRAINER__HOST:PORT; its step
@@ -13,10 +15,10 @@
 
 Ray-side choices: no dashboard, Ray's own logs at WARNING/ERROR (the ranks' logs reach
 this process's stderr unless RAY_LOG_TO_DRIVER is off), no usage stats, workers keep
-their working directory (relative model paths stay valid), and a failed rank fails the
-run (max_failures=0): the process exits 1 and its supervisor restarts it, which resumes
-from the bucket and replays every unacknowledged batch — the same recovery as a crash
-of the local trainer.
+their working directory (on a remote cluster, give paths that exist on every node), and
+a failed rank fails the run (max_failures=0): the process exits 1 and its supervisor
+restarts it, which resumes from the bucket and replays every unacknowledged batch — the
+same recovery as a crash of the local trainer.
 """
 
 from __future__ import annotations
@@ -40,13 +42,22 @@ STOP_REQUEST_S = 10.0  # to reach the stop actor
 
 
 class StopSignal:
-    """A Ray actor (async): the driver sets it on SIGTERM, rank 0 waits on it."""
+    """A Ray actor (async) between this process and rank 0: the driver sets it on SIGTERM,
+    rank 0 waits on it once its service is about to consume."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
+        self.begun = False
 
-    async def set(self) -> None:
+    async def begin(self) -> bool:
+        """Rank 0 is about to consume; False when a stop came first."""
+        self.begun = True
+        return not self.event.is_set()
+
+    async def set(self) -> bool:
+        """Ask rank 0 to stop; True when it had begun (it will stop by itself)."""
         self.event.set()
+        return self.begun
 
     async def wait(self) -> None:
         await self.event.wait()
@@ -71,13 +82,24 @@ def main(settings: TrainerSettings) -> int:
         return 1
     quiet_logging(settings)  # ray.init applied its logging_config to this process too
     try:
+        check_resources(cfg, ray.cluster_resources())  # type: ignore[no-untyped-call]
         return asyncio.run(drive(settings))
     finally:
         ray.shutdown()
 
 
+def check_resources(cfg: TrainerConfig, cluster: dict[str, float]) -> None:
+    """Say so when the cluster cannot hold the group now: Ray Train then waits (for an
+    autoscaler, or forever) and nothing else would tell."""
+    need = {"CPU": cfg.num_workers * cfg.cpus_per_worker, "GPU": float(cfg.num_workers if cfg.use_gpu else 0)}
+    short = {k: (v, cluster.get(k, 0.0)) for k, v in need.items() if v > cluster.get(k, 0.0)}
+    if short:
+        log.warning("the Ray cluster is too small for the group: waiting for resources", extra={
+            "needed": {k: n for k, (n, _) in short.items()}, "cluster": {k: h for k, (_, h) in short.items()}})
+
+
 async def drive(settings: TrainerSettings) -> int:
-    """Fit on a thread of its own; turn signals into a graceful stop of rank 0."""
+    """Fit on a thread of its own; turn a signal into a graceful stop of rank 0."""
     import ray
 
     stop: Any = ray.remote(num_cpus=0)(StopSignal).remote()
@@ -91,6 +113,7 @@ async def drive(settings: TrainerSettings) -> int:
             trainer.fit()
         except BaseException as exc:
             error = exc
+
         def report() -> None:
             if not finished.done():
                 finished.set_result(error)
@@ -102,9 +125,9 @@ async def drive(settings: TrainerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     threading.Thread(target=fit, name="ray-fit", daemon=True).start()
-    log.info("training on Ray", extra={"run": settings.run, "workers": settings.trainer.num_workers,
-                                       "gpu": settings.trainer.use_gpu})
-    received = 0
+    log.info("starting the training group on Ray", extra={
+        "run": settings.run, "workers": settings.trainer.num_workers, "gpu": settings.trainer.use_gpu})
+    asked = False
     while not finished.done():
         waiter = asyncio.ensure_future(signals.get())
         either: set[asyncio.Future[Any]] = {waiter, finished}
@@ -112,21 +135,32 @@ async def drive(settings: TrainerSettings) -> int:
         if not waiter.done():
             waiter.cancel()
             break
-        received += 1
-        if received > 1:
+        if asked:
             log.warning("second signal: not waiting for the group; unacked batches will be replayed")
             return 1
-        log.info("signal received, stopping the group", extra={"signal": waiter.result()})
-        try:
-            await asyncio.wait_for(stop.set.remote(), STOP_REQUEST_S)
-        except Exception as exc:
-            log.error("could not reach the stop actor", extra={"error": str(exc)})
-            return 1
+        asked = True
+        exit_now = await request_stop(stop, waiter.result())
+        if exit_now is not None:
+            return exit_now
     error = finished.result()
     if error is not None:
         log.error("the training group failed", extra={"error": f"{type(error).__name__}: {error}"})
         return 1
     return 0
+
+
+async def request_stop(stop: Any, signum: int) -> int | None:
+    """Tell rank 0 to stop. None: it will, wait for the group to end; else the exit code now."""
+    log.info("signal received, stopping the group", extra={"signal": signum})
+    try:
+        begun = await asyncio.wait_for(stop.set.remote(), STOP_REQUEST_S)
+    except Exception as exc:
+        log.error("could not reach the stop actor", extra={"error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    if not begun:  # still starting (resources, loading): nothing was taken off the stream
+        log.info("the group had not begun training: stopping it")
+        return 0
+    return None
 
 
 def torch_trainer(settings: TrainerSettings, stop: Any) -> Any:
@@ -212,7 +246,8 @@ def lead(settings: TrainerSettings, stop: Any) -> None:
         return leading
 
     async def stopped() -> None:
-        await stop.wait.remote()
+        if await stop.begin.remote():
+            await stop.wait.remote()
 
     try:
         asyncio.run(run(settings, Hooks(prepare=prepare, stopped=stopped)))

@@ -65,6 +65,7 @@ class Leader:
         self.started = False
         self.stopped = False
         self.broken = False  # a collective failed: nothing more is sent
+        self.beats = 0
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -104,6 +105,7 @@ class Leader:
                     continue
                 try:
                     self._send(NOOP)
+                    self.beats += 1
                 except Exception as exc:  # the group is broken; Ray tears it down
                     log.error("heartbeat to the other ranks failed", extra={"error": str(exc)})
                     return

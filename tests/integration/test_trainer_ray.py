@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from services.trainer.build import build_trainer
 from services.trainer.checkpoint import ResumePoint
 from services.trainer.model import export_state_dict
+from services.trainer.ray_group import Leader, follow
 from services.trainer.ray_step import ShardedTrainer, StepFailed, sync_state
 from services.trainer.settings import TrainerConfig
 from services.trainer.step import Trainer
@@ -177,6 +178,43 @@ def test_sharded_steps_equal_single_process_steps(tiny_model: Path, tmp_path: Pa
     for step, (got, exp) in enumerate(zip(r0["lora_metrics"], lora_want, strict=True)):
         assert_metrics_match(got, exp, step)
     assert_weights_match(r0["lora_weights"], export_state_dict(lora.model))
+
+
+def _idle_rank(rank: int, init: str, heartbeat_s: float) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+    try:
+        if rank == 0:
+            leader = Leader(heartbeat_s)
+            leader.start()
+            # Idle for twice the group's timeout, counted in heartbeats sent.
+            wait_until(lambda: leader.beats * heartbeat_s >= 2 * IDLE_TIMEOUT_S, 30, "heartbeats")
+            leader.close()
+        else:
+            assert follow(cast(ShardedTrainer, None)) == 0  # only noops, then stop
+    finally:
+        dist.destroy_process_group()
+
+
+IDLE_TIMEOUT_S = 2
+
+
+def test_heartbeats_keep_an_idle_group_alive_past_its_timeout(tmp_path: Path) -> None:
+    # Without heartbeats rank 1 fails here: "Timed out waiting 2000ms for recv operation".
+    ctx = multiprocessing.get_context("spawn")
+    init = f"file://{tmp_path / 'pg'}"
+    ranks = [ctx.Process(target=_idle_rank, args=(r, init, 0.25)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        for p in ranks:
+            p.join(60)
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert [p.exitcode for p in ranks] == [0, 0]
 
 
 # -- the service on a local Ray cluster ------------------------------------------------------------
