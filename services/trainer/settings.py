@@ -19,6 +19,8 @@ Ray Train backend (services/trainer/ray_backend.py): data-parallel over a Ray cl
     NEXTSTATE_TRAINER__RAY_ADDRESS=              cluster to join (default: RAY_ADDRESS, else a local one)
     NEXTSTATE_TRAINER__NUM_WORKERS=2             DDP ranks       NEXTSTATE_TRAINER__USE_GPU=false (NCCL; else gloo)
     NEXTSTATE_TRAINER__CPUS_PER_WORKER=1         Ray CPUs per rank (also its torch threads unless THREADS)
+    NEXTSTATE_TRAINER__COLLECTIVE_TIMEOUT_S=1800 NEXTSTATE_TRAINER__HEARTBEAT_S=30 (idle ranks stay inside it)
+    NEXTSTATE_TRAINER__RAY_STORAGE=              Ray Train's run folder   NEXTSTATE_TRAINER__RAY_LOG_TO_DRIVER=true
 """
 
 from __future__ import annotations
