@@ -358,7 +358,8 @@ class Consumer(Generic[M]):
         while not self._closed.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._closed.wait(), interval)
-            ids = list(self._inflight)
+            # Running handlers and finished ones whose ack is still queued.
+            ids = list(self._inflight) + [entry_id for entry_id, _ in self._acks]
             if ids:
                 with contextlib.suppress(RedisError):
                     await self.bus.redis.xclaim(self.key, self.group, self.name, 0, ids, justid=True)

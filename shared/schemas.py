@@ -127,8 +127,11 @@ class ScoredTurn(Message):
     turn: Turn
     reward: Reward
     judged: bool = True  # False: no next state, so nothing to judge (reward 0)
-    votes: list[Vote] = Field(default_factory=list)
-    judge: str = "prm"  # prm | rule | module:callable
+    votes: list[Vote] = Field(default_factory=list)  # the reward votes
+    hint_votes: list[Vote] = Field(default_factory=list)  # OPD: the hint judge's votes
+    # Who decided: prm | rule (also for rule+prm, whichever decided) | the plugin's
+    # module:callable | opd | prm+opd | rule+opd.
+    judge: str = "prm"
     judge_model: str | None = None
     prompt_version: str | None = None
     mode: Mode = "rl"

@@ -36,6 +36,8 @@ class RedisSettings(BaseModel):
     prefix: str = "nextstate"
     connect_timeout: float = Field(2.0, gt=0)
     socket_timeout: float = Field(5.0, gt=0)
+    # Commands beyond this many connections wait (up to socket_timeout) for a free one.
+    max_connections: int = Field(128, ge=2)
 
     @field_validator("url")
     @classmethod

@@ -67,15 +67,22 @@ return redis.call('XTRIM', KEYS[1], 'MINID', sms .. '-' .. sseq)
 
 
 def connect(settings: Settings) -> aioredis.Redis:
-    """An asyncio Redis client with the configured timeouts (text responses)."""
-    return aioredis.from_url(
+    """An asyncio Redis client with the configured timeouts (text responses).
+
+    The pool is blocking: past `max_connections` a command waits for a free connection
+    (at most `socket_timeout`) instead of failing, so bursts of in-flight work queue up.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis.url,
+        max_connections=settings.redis.max_connections,
+        timeout=settings.redis.socket_timeout,
         decode_responses=True,
         socket_connect_timeout=settings.redis.connect_timeout,
         socket_timeout=settings.redis.socket_timeout,
         health_check_interval=30,
         protocol=2,
     )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 class Bus:

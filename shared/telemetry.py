@@ -33,7 +33,8 @@ _STANDARD_ATTRS = set(
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS}
+    return {k: v for k, v in record.__dict__.items()
+            if k not in _STANDARD_ATTRS and not k.startswith("_")}
 
 
 class JsonFormatter(logging.Formatter):

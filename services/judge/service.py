@@ -5,9 +5,9 @@ Per turn:
 - no next state (None or empty: the session ended, the turn expired): a ScoredTurn with
   `judged=False`, reward 0, no calls — the buffer's at-least-one rule needs to see it.
 - otherwise, by `mode`: `rl` runs the configured judge (reward); `opd` runs the hint
-  judge and the teacher scoring (reward 0); `combine` runs both concurrently. In
-  combine, `votes` holds the reward votes first, then the hint votes, and
-  `prompt_version` names both ("prm-v1+hint-v1").
+  judge and the teacher scoring (reward 0); `combine` runs both concurrently. Reward
+  votes go to `votes`, hint votes to `hint_votes`; in combine `prompt_version` names
+  both ("prm-v1+hint-v1").
 
 The ScoredTurn's id is the turn's id, so a redelivered turn that is judged twice is
 deduplicated downstream. Any failure (quorum not met, plugin error, engine down)
@@ -103,6 +103,7 @@ class JudgeService:
     def assemble(self, turn: Turn, verdict: Verdict | None, opd: OPDResult | None) -> ScoredTurn:
         fields: dict[str, Any] = {"id": turn.id, "turn": turn, "mode": self.cfg.mode, "reward": 0}
         votes = []
+        hint_votes = []
         versions = []
         if verdict is not None:
             fields.update(reward=verdict.reward, judge=verdict.judge, judge_model=verdict.judge_model)
@@ -111,7 +112,7 @@ class JudgeService:
                 versions.append(verdict.prompt_version)
         if opd is not None:
             assert self.teacher is not None
-            votes += opd.votes
+            hint_votes += opd.votes
             versions.append(self.teacher.prompt_version)
             fields.update(
                 hint=opd.hint,
@@ -121,7 +122,8 @@ class JudgeService:
             )
             fields["judge"] = "opd" if verdict is None else f"{verdict.judge}+opd"
         return ScoredTurn(
-            **fields, votes=votes, prompt_version="+".join(versions) if versions else None
+            **fields, votes=votes, hint_votes=hint_votes,
+            prompt_version="+".join(versions) if versions else None,
         )
 
     async def publish(self, scored: ScoredTurn) -> None:

@@ -112,7 +112,8 @@ async def test_combine_mode_hint_and_teacher_logprobs(
     s = out[hinted.id]
     assert (s.mode, s.reward, s.hint) == ("combine", 1, HINT)
     assert (s.judge, s.prompt_version, s.judge_model) == ("prm+opd", "prm-v1+hint-v1", "standin-judge")
-    assert len(s.votes) == 6 and sorted(v.score for v in s.votes[3:] if v.score is not None) == [-1, 1, 1]
+    assert len(s.votes) == 3 and len(s.hint_votes) == 3
+    assert sorted(v.score for v in s.hint_votes if v.score is not None) == [-1, 1, 1]
 
     expected_messages = [
         {"role": "system", "content": "You are a weather bot."},
@@ -150,7 +151,7 @@ async def test_opd_mode_only_hints(
         assert judge.stop() == 0
     assert isinstance(s, ScoredTurn)
     assert (s.mode, s.reward, s.judge, s.prompt_version, s.hint) == ("opd", 0, "opd", "hint-v1", HINT)
-    assert len(s.votes) == 3 and s.teacher_logprobs is not None
+    assert s.votes == [] and len(s.hint_votes) == 3 and s.teacher_logprobs is not None
     own = await engine_logprobs(engine, (s.teacher_prompt_ids or []) + turn.response_ids, len(turn.response_ids))
     assert s.teacher_logprobs == pytest.approx(own, abs=1e-5)
     assert ready["checks"] == {"redis": "ok", "judge": "ok", "engine": "ok"}
