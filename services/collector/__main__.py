@@ -99,9 +99,10 @@ async def run(settings: CollectorSettings) -> None:
         template = await asyncio.to_thread(
             ChatTemplate.from_pretrained, tokenizer, chat_template=cfg.chat_template
         )
-        bus = Bus(settings, client=connect(settings.redis.url, cfg.redis_background_timeout_s))
+        url, most = settings.redis.url, settings.redis.max_connections
+        bus = Bus(settings, client=connect(url, cfg.redis_background_timeout_s, most))
         stack.push_async_callback(bus.aclose)
-        fast = connect(settings.redis.url, cfg.redis_timeout_s)
+        fast = connect(url, cfg.redis_timeout_s, most)
         stack.push_async_callback(fast.aclose)
         spool = Spool(cfg.spool_file(), cfg.spool_max_bytes)
         capture = Capture(cfg, bus, spool, fast)

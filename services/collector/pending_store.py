@@ -22,17 +22,20 @@ from shared.keys import Keys
 SWEEP_BATCH = 256
 
 
-def connect(url: str, timeout: float) -> Any:
-    """A Redis client for the request path: every operation fails within `timeout`
-    (connect and read), with no retries — an outage is handled by spooling, not waiting."""
+def connect(url: str, timeout: float, max_connections: int = 128) -> Any:
+    """A Redis client whose every operation fails within `timeout` — waiting for one of
+    its `max_connections`, connecting, reading — with no retries: an outage is handled
+    by spooling, not by waiting."""
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    return aioredis.from_url(
-        url, decode_responses=True, protocol=2, socket_connect_timeout=timeout,
-        socket_timeout=timeout, retry=Retry(NoBackoff(), 0),
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout, decode_responses=True,
+        protocol=2, socket_connect_timeout=timeout, socket_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
     )  # fmt: skip
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 class PendingStore:
