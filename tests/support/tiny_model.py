@@ -100,7 +100,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, hidden: int = 64, layers: 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
