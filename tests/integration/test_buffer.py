@@ -8,7 +8,6 @@ and restart, archive, pull API) is in test_buffer_service.py.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -25,6 +24,7 @@ from shared import keys as K
 from shared.schemas import Mode, SamplingParams, ScoredTurn, TrainBatch, TrainSample, Turn
 from shared.settings import Settings
 from shared.streams import Bus
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -32,21 +32,6 @@ FAST_STREAMS = {"claim_idle_ms": 500, "retry_delay_ms": 50, "block_ms": 100, "sh
 
 
 # -- helpers (also used by test_buffer_service.py and test_import.py) ------------------------
-async def eventually(cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Poll `cond` (sync or async) until it returns something truthy; return that."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        got = cond()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return got
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        await asyncio.sleep(0.02)
-
-
 def scored_turn(
     session: str, index: int, reward: int = 1, *, final: bool = False, teacher: bool = False,
     policy_version: int = 0, logprobs: bool = True, n: int = 3,

@@ -8,14 +8,12 @@ three workers on one stream (each turn scored exactly once); plugins.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import re
 import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -26,6 +24,7 @@ from shared.settings import Settings
 from shared.streams import Bus
 from tests.support.judge_standin import StandinThread
 from tests.support.servers import REPO, ServiceProcess, free_port
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -91,18 +90,6 @@ def make_turn(session: str, reply: str | None, *, role: str = "user", **kw: Any)
         next_state=None if reply is None else [{"role": role, "content": reply}],
         **kw,
     )
-
-
-async def eventually(cond: Callable[[], Awaitable[Any] | Any], timeout: float = 30.0, what: str = "") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        got = cond()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
 
 
 async def scored(bus: Bus) -> list[ScoredTurn]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ from shared.settings import Settings
 from shared.streams import Bus
 from tests.support.bus_worker import Ping
 from tests.support.servers import REPO
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -32,20 +32,6 @@ def fast(settings: Settings, **streams: Any) -> Settings:
 async def bus(settings: Settings) -> AsyncIterator[Bus]:
     async with Bus(fast(settings)) as b:
         yield b
-
-
-async def eventually(
-    cond: Callable[[], Awaitable[Any] | Any], timeout: float = 10.0, what: str = ""
-) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        got = cond()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what or cond}")
 
 
 async def pending(bus: Bus, stream: str = "turns", group: str = "judge") -> int:

@@ -7,7 +7,6 @@ version, generations change); a corrupt one is refused while the engine keeps se
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from shared.store import Bucket
 from shared.streams import Bus
 from tests.support.servers import REPO, ServiceProcess, free_port
 from tests.support.tiny_model import build_tiny_model
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -79,15 +79,6 @@ def weight_version(url: str) -> str:
     return str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"])
 
 
-async def until(pred, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        if pred():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("timed out")
-
-
 async def test_publish_load_refuse_corrupt_and_rollback(
     s3_settings: Settings, engine: str, watcher: ServiceProcess, models: dict[str, Path],
     s3_env: dict[str, str],
@@ -96,7 +87,7 @@ async def test_publish_load_refuse_corrupt_and_rollback(
     base_out = greedy(engine)
     with Bucket(s3_settings.bucket) as bucket:
         ckpt.publish_checkpoint(bucket, run, 1, models["b"], step=1)
-        await until(lambda: weight_version(engine) == "1")
+        await eventually(lambda: weight_version(engine) == "1")
         v1_out = greedy(engine)
         assert v1_out != base_out  # other weights serve now
 
@@ -112,18 +103,18 @@ async def test_publish_load_refuse_corrupt_and_rollback(
             data = bytearray(bucket.get_bytes(key))
             data[-1] ^= 0xFF
             bucket.put_bytes(key, bytes(data))
-            await until(lambda: "refused" in watcher.logs(20000), 30)
+            await eventually(lambda: "refused" in watcher.logs(20000), 30)
             assert "checksum" in watcher.logs(20000)
             assert weight_version(engine) == "1" and greedy(engine) == v1_out  # still serving v1
 
             # v3 is good; then roll back to v1 with the CLI.
             ckpt.publish_checkpoint(bucket, run, 3, models["c"], step=3)
-            await until(lambda: weight_version(engine) == "3")
+            await eventually(lambda: weight_version(engine) == "3")
             out = subprocess.run([NEXTSTATE, "rollback", "1"], env={**os.environ, **s3_env},
                                  cwd=REPO, capture_output=True, text=True, timeout=30)
             assert out.returncode == 0, out.stderr
             assert "LATEST -> v1 (was v3)" in out.stdout
-            await until(lambda: weight_version(engine) == "1")
+            await eventually(lambda: weight_version(engine) == "1")
             assert greedy(engine) == v1_out
             assert not list((Path(watcher.env["NEXTSTATE_WATCHER__LOCAL_DIR"])).glob(".staging-*"))
             listed = subprocess.run([NEXTSTATE, "rollback", "--list"], env={**os.environ, **s3_env},
