@@ -19,7 +19,7 @@ import re
 import shutil
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -144,21 +144,26 @@ def _rank(rank: int, world: int, init: str, tiny_model: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_sharded_steps_equal_single_process_steps(tiny_model: Path, tmp_path: Path) -> None:
+def run_ranks(target: Callable[..., None], args: list[tuple[Any, ...]], timeout: float) -> list[int | None]:
+    """Run one spawned process per rank; kill any still alive after `timeout`; exit codes."""
     ctx = multiprocessing.get_context("spawn")
-    init = f"file://{tmp_path / 'pg'}"
-    ranks = [ctx.Process(target=_rank, args=(r, 2, init, str(tiny_model), str(tmp_path))) for r in (0, 1)]
+    ranks = [ctx.Process(target=target, args=a) for a in args]
     for p in ranks:
         p.start()
     try:
         for p in ranks:
-            p.join(120)
+            p.join(timeout)
     finally:
         for p in ranks:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    return [p.exitcode for p in ranks]
+
+
+def test_sharded_steps_equal_single_process_steps(tiny_model: Path, tmp_path: Path) -> None:
+    init = f"file://{tmp_path / 'pg'}"
+    assert run_ranks(_rank, [(r, 2, init, str(tiny_model), str(tmp_path)) for r in (0, 1)], 120) == [0, 0]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
     local = build_trainer(config(tiny_model), FRESH)
@@ -201,20 +206,8 @@ IDLE_TIMEOUT_S = 2
 
 def test_heartbeats_keep_an_idle_group_alive_past_its_timeout(tmp_path: Path) -> None:
     # Without heartbeats rank 1 fails here: "Timed out waiting 2000ms for recv operation".
-    ctx = multiprocessing.get_context("spawn")
     init = f"file://{tmp_path / 'pg'}"
-    ranks = [ctx.Process(target=_idle_rank, args=(r, init, 0.25)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        for p in ranks:
-            p.join(60)
-    finally:
-        for p in ranks:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    assert run_ranks(_idle_rank, [(r, init, 0.25) for r in (0, 1)], 60) == [0, 0]
 
 
 # -- the service on a local Ray cluster ------------------------------------------------------------
