@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -115,22 +116,22 @@ async def test_status_json_reports_streams_groups_and_stalls(bus: Bus, env: dict
 
 async def test_status_flowing_group_not_stalled(bus: Bus, env: dict[str, str]) -> None:
     await bus.ensure_group("turns", "judge")
-    for i in range(3):
+    for i in range(1000):  # backlog for 50 s of acks
         await bus.publish("turns", turn(i))
     proc = subprocess.Popen(
         [NEXTSTATE, "status", "--json", "--window", "1.0"], env={**os.environ, **env},
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )
-    # While status samples, a consumer makes progress: read and ack one entry at a time.
-    import asyncio
-
-    await asyncio.sleep(0.5)
-    for _ in range(2):
+    # While status samples, a consumer makes progress: one entry acked every 50 ms for as
+    # long as the command runs, so its window sees acks however slowly it starts.
+    while proc.poll() is None:
         resp = await bus.redis.xreadgroup("judge", "w", {bus.keys.turns: ">"}, count=1)
         await bus.redis.xack(bus.keys.turns, "judge", resp[0][1][0][0])
+        await asyncio.sleep(0.05)
     out, _ = proc.communicate(timeout=30)
     snap = json.loads(out)
     judge = next(s for s in snap["streams"] if s["stream"] == "turns")["groups"][0]
+    assert judge["lag"] > 0 and judge["acked_in_window"] > 0
     assert judge["stalled"] is False and snap["stalled"] == []
 
 
