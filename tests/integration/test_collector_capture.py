@@ -24,6 +24,7 @@ from shared.settings import Settings
 from shared.streams import Bus
 from tests.support.collector_harness import StandIn
 from tests.support.servers import RedisServer
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -175,8 +176,13 @@ async def test_outage_spools_pairs_in_memory_and_replays(
         f0, c0 = follow_up(m0, t0_, "after")
         assert (await cap.begin(f0, c0)).closed == 0
         assert time.monotonic() - t0 < 1.5  # never more than the Redis timeout on a request
-        await asyncio.sleep(0.1)  # let the background emissions reach the spool
-        ops = [json.loads(line)["op"] for line in cap.spool.path.read_text().splitlines()]
+        def spooled() -> list[str]:
+            text = cap.spool.path.read_text() if cap.spool.path.exists() else ""
+            return [json.loads(line)["op"] for line in text.splitlines()]
+
+        # the background emissions reach the spool: one turn, three pendings, one close
+        await eventually(lambda: len(spooled()) >= 5, what="five spooled writes")
+        ops = spooled()
         assert ops.count("turn") == 1 and ops.count("pending") == 3 and ops.count("closed") == 1
         server.start()
         runner = asyncio.create_task(cap.run())
