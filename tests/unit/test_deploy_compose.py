@@ -260,6 +260,21 @@ def test_build_contexts_dockerfiles_and_images() -> None:
     assert "*" in ignore and "!shared" in ignore and "!services" in ignore
 
 
+def test_third_party_images_are_pinned() -> None:
+    """Images we do not build carry a version tag (never `latest`), as compose and
+    .env.example default them; our own images are whatever the user built."""
+    env = parse_env_file(ENV_EXAMPLE)
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, svc in raw.items():
+        if "image" not in svc or "build" in svc:
+            continue
+        for image in (interpolate(svc["image"], {}), interpolate(svc["image"], env)):
+            if image.startswith("nextstate-"):
+                continue
+            repo, _, tag = image.rpartition(":")
+            assert repo and tag and tag != "latest" and "/" not in tag, f"{name}: {image}"
+
+
 def test_judge_scales() -> None:
     judge = services()["judge"]
     assert "container_name" not in judge
