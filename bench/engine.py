@@ -4,10 +4,13 @@
    /generate body instantly, compared with a bare pooled httpx POST + JSON parse of the
    same body, and with a new httpx client per request (what we avoid). Printed as p50
    per call; the client's own cost is the difference to the bare POST. Target: ≤ 3 ms.
-2. Engine: the real `python -m services.engine` on the tiny test model — tokens/s of
-   one request, and aggregate tokens/s of 8 concurrent ones (interleaved, exact).
+2. Engine: the real `python -m services.engine` (the tiny test model, or `--model` any
+   HF folder such as the cached SmolLM2) — tokens/s of one request, and aggregate
+   tokens/s of `--concurrency` concurrent ones, with decode steps batched (the default)
+   and with each request stepping alone (`NEXTSTATE_ENGINE__BATCH_DECODE=false`, the
+   baseline, same script): the ratio is what batching buys.
 
-    python bench/engine.py [--calls 300]
+    python bench/engine.py [--calls 300] [--model DIR] [--concurrency 8] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -91,22 +94,38 @@ async def client_overhead(url: str, calls: int) -> None:
           f"new client per call p50 {p50_ms(fresh):.2f} ms")  # fmt: skip
 
 
-async def engine_throughput(url: str) -> None:
-    sampling = {"temperature": 1.0, "max_tokens": 256, "ignore_eos": True}
-    async with SGLangClient(url, timeout=300) as client:
+async def engine_throughput(url: str, concurrency: int, tokens: int) -> tuple[float, float]:
+    sampling = {"temperature": 1.0, "max_tokens": tokens, "ignore_eos": True}
+    async with SGLangClient(url, timeout=600) as client:
         await client.generate(PROMPT[:20], {**sampling, "max_tokens": 8})
         t = time.perf_counter()
         one = await client.generate(PROMPT[:20], {**sampling, "seed": 1})
         single = len(one.output_ids) / (time.perf_counter() - t)
         t = time.perf_counter()
-        many = await asyncio.gather(*(client.generate(PROMPT[:20], {**sampling, "seed": i}) for i in range(8)))
+        many = await asyncio.gather(
+            *(client.generate(PROMPT[: 10 + 3 * i], {**sampling, "seed": i}) for i in range(concurrency))
+        )
         agg = sum(len(r.output_ids) for r in many) / (time.perf_counter() - t)
-    print(f"engine (tiny model, 1 thread): one request {single:.0f} tok/s | 8 concurrent {agg:.0f} tok/s total")
+    return single, agg
+
+
+def run_engine(model: Path, batch: bool, concurrency: int, tokens: int) -> tuple[float, float]:
+    port = free_port()
+    env = {"NEXTSTATE_ENGINE__BATCH_DECODE": str(batch).lower(), "NEXTSTATE_ENGINE__MAX_RUNNING": str(concurrency)}
+    proc = ServiceProcess("engine", env=env, args=["--model", str(model), "--port", str(port)])
+    try:
+        proc.start().wait_http(f"http://127.0.0.1:{port}/health", timeout=180)
+        return asyncio.run(engine_throughput(f"http://127.0.0.1:{port}", concurrency, tokens))
+    finally:
+        proc.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--model", type=Path, help="HF folder (default: the tiny test model)")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     url, server = canned_server()
     try:
@@ -114,15 +133,14 @@ def main() -> None:
     finally:
         server.should_exit = True
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(Path(tmp) / "tiny")
-        port = free_port()
-        proc = ServiceProcess("engine", env={"NEXTSTATE_ENGINE__THREADS": "1"},
-                              args=["--model", str(model), "--port", str(port)])  # fmt: skip
-        try:
-            proc.start().wait_http(f"http://127.0.0.1:{port}/health", timeout=90)
-            asyncio.run(engine_throughput(f"http://127.0.0.1:{port}"))
-        finally:
-            proc.stop()
+        model = args.model or build_tiny_model(Path(tmp) / "tiny")
+        name = model.name if args.model else "tiny model"
+        results = {batch: run_engine(model, batch, args.concurrency, args.tokens) for batch in (False, True)}
+    (s0, a0), (s1, a1) = results[False], results[True]
+    print(f"engine ({name}, {args.tokens} tokens each):")
+    print(f"  each request alone (baseline): one request {s0:.0f} tok/s | {args.concurrency} concurrent {a0:.0f} tok/s total")
+    print(f"  batched decode:                one request {s1:.0f} tok/s | {args.concurrency} concurrent {a1:.0f} tok/s total")
+    print(f"  batched / alone at {args.concurrency} concurrent: {a1 / a0:.2f}x")
 
 
 if __name__ == "__main__":

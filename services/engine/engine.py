@@ -43,6 +43,7 @@ class Engine:
             max_running=cfg.max_running,
             max_queue=cfg.max_queue,
             context_length=cfg.context_length,
+            batch_decode=cfg.batch_decode,
         )
         self._update_lock = asyncio.Lock()
         self.started = time.time()

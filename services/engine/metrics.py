@@ -27,3 +27,8 @@ LOAD_SECONDS = Histogram(
     "Time to load and check a new checkpoint",
     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
+DECODE_BATCH = Histogram(
+    "nextstate_engine_decode_batch_size",
+    "Requests advanced by one batched decode step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)

@@ -3,7 +3,8 @@
 `GenParams` is a validated request (built by `protocol.py` from SGLang's or OpenAI's
 JSON). `Job` holds everything that request accumulates — its KV cache, sampled tokens
 and log-probs, its generator — and `Job.step` advances it by exactly one forward pass
-and one sampled token. A job is bound to the weights it was admitted with: it never
+and one sampled token (`Job.take` is the sampling half, for a step the decode batch
+ran for it). A job is bound to the weights it was admitted with: it never
 sees two sets of weights.
 
 Finish reasons follow SGLang's shapes: {"type": "length", "length": n},
@@ -124,6 +125,12 @@ class Job:
                 return
         else:
             logits = self.model.forward([self.output_ids[-1]], self.cache, 1)[-1]
+        self.take(logits)
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Sample the next token from this step's next-token logits (V,), and record it.
+        (A decode step of the batch computes the logits for every member at once.)"""
+        p = self.params
         token, lp = sample_token(logits, p.sampling, self.generator)
         self.output_ids.append(token)
         if p.return_logprob:

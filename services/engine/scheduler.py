@@ -1,11 +1,12 @@
-"""The one model thread: admits requests, interleaves them token by token, swaps weights.
+"""The one model thread: admits requests, batches their decode steps, swaps weights.
 
 The event loop never runs the model. Requests wait in a bounded FIFO; up to
-`max_running` are active at once, and each loop iteration advances every active request
-by one token (each with its own KV cache, batch size 1). That interleaving is how
-concurrent requests share the model here: it is exact — a request computes the very
-same numbers it would alone, so a seeded request samples the same tokens under any
-load — at the price of not batching the matrix multiplies.
+`max_running` are active at once. Each loop iteration advances every active request by
+one token: a newly admitted request runs its prompt alone (prefill) and samples its
+first token, then joins the decode batch (`services.engine.batch`), where one forward
+pass gives every member its next token. With `batch_decode` off (or a model whose cache
+cannot be batched) each request steps alone with its own KV cache at batch size 1 —
+bit-exact under any load, and slower: the weights are read once per request per token.
 
 A weight swap is a control message to this thread: admission stops, in-flight requests
 finish (or are aborted first when asked), then the model reference is replaced while
@@ -23,7 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from services.engine import metrics
+from services.engine.batch import DecodeBatch, supports
 from services.engine.model import LoadedModel
 from services.engine.request import Job
 from shared.errors import EngineUnavailable
@@ -57,8 +61,11 @@ class Scheduler:
         max_running: int,
         max_queue: int,
         context_length: int | None = None,
+        batch_decode: bool = True,
     ) -> None:
         self.model = model
+        self.batch_decode = batch_decode
+        self._batch = DecodeBatch(model) if batch_decode else None
         self.tokenizer = tokenizer
         self.weight_version = weight_version
         self.max_running = max_running
@@ -217,10 +224,25 @@ class Scheduler:
             stopping_now = self._stopping and not self._active and not self._waiting
         for job in ended:
             self._finish(job)
+        decoding: list[Job] = []
+        joining: list[Job] = []
         for job in runnable:
             if job.abort_reason is not None:
                 continue
+            if self._batch is not None and job in self._batch:
+                decoding.append(job)
+                continue
+            joins = self._batch is not None and not job.prefilled
             self._advance(job)
+            if joins and job.finish is None and supports(job.cache):
+                joining.append(job)
+        if self._batch is not None:
+            if decoding:
+                self._decode(decoding)
+            # finished or aborted rows leave (while paused, rows stay as they are)
+            self._batch.keep([j for j in self._batch.members if j.finish is None and j.abort_reason is None])
+            for job in joining:  # decode with the batch from the next iteration on
+                self._batch.add(job)
         if any(j.finish is not None for j in runnable):
             with self._cond:
                 self._active = [j for j in self._active if j.finish is None]
@@ -255,13 +277,39 @@ class Scheduler:
         swap, self._swap = self._swap, None
         assert swap is not None
         self.model, self.weight_version = swap.model, swap.version
+        if self._batch is not None:  # empty: nothing is mid-generation
+            self._batch = DecodeBatch(swap.model)
         self._eos = self._eos_ids(swap.model)
         log.info("weights swapped", extra={"weight_version": swap.version, "path": swap.model.path})
         swap.done.set_result(swap.in_flight)
 
-    def _advance(self, job: Job) -> None:
+    def _decode(self, jobs: list[Job]) -> None:
+        """One batched decode step for `jobs` (the batch's live members)."""
+        batch = self._batch
+        assert batch is not None
+        batch.keep(jobs)
+        metrics.DECODE_BATCH.observe(len(batch))
         try:
-            job.step()
+            logits = batch.step()
+        except Exception as exc:
+            log.exception("batched decode step failed", extra={"rows": len(batch)})
+            for job in batch.members:
+                job.finish = {"type": "abort", "message": f"internal error: {type(exc).__name__}"}
+                job.deliver(exc)
+                metrics.REQUESTS.labels(status="error").inc()
+            batch.clear()
+            return
+        for row, job in enumerate(list(batch.members)):
+            self._advance(job, logits[row])
+
+    def _advance(self, job: Job, logits: torch.Tensor | None = None) -> None:
+        """A step for one job: its own forward (prefill, or an unbatched decode), or
+        sampling from the logits the batch computed for it."""
+        try:
+            if logits is None:
+                job.step()
+            else:
+                job.take(logits)
         except Exception as exc:
             log.exception("generation step failed", extra={"rid": job.params.rid})
             job.finish = {"type": "abort", "message": f"internal error: {type(exc).__name__}"}

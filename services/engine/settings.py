@@ -5,7 +5,8 @@
     NEXTSTATE_ENGINE__DEVICE=auto              cuda when available, else cpu
     NEXTSTATE_ENGINE__DTYPE=auto               float32 on cpu (exact log-probs), the config's dtype on cuda
     NEXTSTATE_ENGINE__WEIGHT_VERSION=0         reported until the first /update_weights_from_disk
-    NEXTSTATE_ENGINE__MAX_RUNNING=16           requests generating at once (interleaved token by token)
+    NEXTSTATE_ENGINE__MAX_RUNNING=16           requests generating at once (decode steps batched)
+    NEXTSTATE_ENGINE__BATCH_DECODE=true        false: each request steps alone (bit-exact under load)
     NEXTSTATE_ENGINE__MAX_QUEUE=256            requests waiting beyond those; more are refused with 503
 """
 
@@ -32,6 +33,7 @@ class EngineGroup(BaseModel):
     weight_version: str = "0"
     max_running: int = Field(16, ge=1, description="requests generating concurrently")
     max_queue: int = Field(256, ge=0, description="requests waiting for a slot; then 503")
+    batch_decode: bool = Field(True, description="one forward pass per decode step for all running requests")
     default_max_new_tokens: int = Field(128, ge=0, description="as SGLang, when a request sets none")
     context_length: int | None = Field(None, ge=2, description="default: the model config's")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")

@@ -214,17 +214,50 @@ def test_stop_string_trims_the_text(engine: str, tokenizer: Any) -> None:
     assert all(out["text"].startswith(ev["text"]) for ev in events)
 
 
-async def test_concurrent_requests_equal_their_sequential_results(engine: str) -> None:
+async def run_three_ways(url: str) -> list[tuple[Any, Any, Any]]:
+    """Eight seeded requests of different lengths: one after another, all at once, and all
+    at once streamed."""
     samplings = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30 + 5 * i, seed=100 + i) for i in range(8)]
     prompts = [PROMPT[: 3 + i % 4] for i in range(8)]
-    async with SGLangClient(engine, timeout=60) as client:
+    async with SGLangClient(url, timeout=60) as client:
         sequential = [await client.generate(p, s) for p, s in zip(prompts, samplings, strict=True)]
         concurrent = await asyncio.gather(*(client.generate(p, s) for p, s in zip(prompts, samplings, strict=True)))
         streamed = await asyncio.gather(*(join_stream(client.stream(p, s)) for p, s in zip(prompts, samplings, strict=True)))
-    for a, b, c in zip(sequential, concurrent, streamed, strict=True):
+    return list(zip(sequential, concurrent, streamed, strict=True))
+
+
+def decode_batch_sizes(url: str) -> dict[str, float]:
+    """The engine's histogram of decode batch sizes: {le: cumulative count}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    prefix = 'nextstate_engine_decode_batch_size_bucket{le="'
+    return {line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}  # fmt: skip
+
+
+async def test_concurrent_requests_decode_in_one_batch_and_match_their_sequential_results(engine: str) -> None:
+    before = decode_batch_sizes(engine)
+    for a, b, c in await run_three_ways(engine):
+        # Batched decode steps reassociate the matmuls: the same tokens, log-probs to ~1e-7.
         assert a.output_ids == b.output_ids == c.output_ids
-        assert a.output_logprobs == b.output_logprobs == c.output_logprobs
         assert a.text == b.text == c.text
+        for x, y, z in zip(a.output_logprobs, b.output_logprobs, c.output_logprobs, strict=True):
+            assert abs(x - y) < 1e-5 and abs(x - z) < 1e-5
+    after = decode_batch_sizes(engine)
+    steps = after["+Inf"] - before["+Inf"]
+    over_four = steps - (after["4.0"] - before["4.0"])
+    assert over_four > 0, "concurrent requests never shared a decode step"
+
+
+async def test_unbatched_engine_is_bit_exact_under_load(tiny_model: Path) -> None:
+    proc, url = start_engine(tiny_model, NEXTSTATE_ENGINE__MAX_RUNNING="8", NEXTSTATE_ENGINE__BATCH_DECODE="false")
+    try:
+        for a, b, c in await run_three_ways(url):
+            assert a.output_ids == b.output_ids == c.output_ids
+            assert a.output_logprobs == b.output_logprobs == c.output_logprobs
+            assert a.text == b.text == c.text
+        assert decode_batch_sizes(url)["+Inf"] == 0
+    finally:
+        assert proc.stop() == 0, proc.logs()
 
 
 async def test_a_client_that_goes_away_frees_its_slot(engine: str) -> None:
