@@ -214,15 +214,32 @@ def test_stop_string_trims_the_text(engine: str, tokenizer: Any) -> None:
     assert all(out["text"].startswith(ev["text"]) for ev in events)
 
 
+async def all_at_once(client: SGLangClient, url: str, calls: list[Any]) -> list[Any]:
+    """Run the calls concurrently, all admitted together: generation is paused until every
+    one of them waits in the engine's queue (however slowly they arrive)."""
+    await client.pause()
+    try:
+        tasks = [asyncio.create_task(c) for c in calls]
+
+        def queued() -> bool:
+            return bool(httpx.get(f"{url}/get_server_info", timeout=5).json()["waiting"] == len(calls))
+
+        await asyncio.to_thread(wait_until, queued, 30, "every request to wait in the queue")
+    finally:
+        await client.resume()
+    return list(await asyncio.gather(*tasks))
+
+
 async def run_three_ways(url: str) -> list[tuple[Any, Any, Any]]:
     """Eight seeded requests of different lengths: one after another, all at once, and all
     at once streamed."""
     samplings = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30 + 5 * i, seed=100 + i) for i in range(8)]
     prompts = [PROMPT[: 3 + i % 4] for i in range(8)]
+    pairs = list(zip(prompts, samplings, strict=True))
     async with SGLangClient(url, timeout=60) as client:
-        sequential = [await client.generate(p, s) for p, s in zip(prompts, samplings, strict=True)]
-        concurrent = await asyncio.gather(*(client.generate(p, s) for p, s in zip(prompts, samplings, strict=True)))
-        streamed = await asyncio.gather(*(join_stream(client.stream(p, s)) for p, s in zip(prompts, samplings, strict=True)))
+        sequential = [await client.generate(p, s) for p, s in pairs]
+        concurrent = await all_at_once(client, url, [client.generate(p, s) for p, s in pairs])
+        streamed = await all_at_once(client, url, [join_stream(client.stream(p, s)) for p, s in pairs])
     return list(zip(sequential, concurrent, streamed, strict=True))
 
 
@@ -243,9 +260,9 @@ async def test_concurrent_requests_decode_in_one_batch_and_match_their_sequentia
         for x, y, z in zip(a.output_logprobs, b.output_logprobs, c.output_logprobs, strict=True):
             assert abs(x - y) < 1e-5 and abs(x - z) < 1e-5
     after = decode_batch_sizes(engine)
+    # all eight join after their prompts; every step has all eight until the shortest ends
     steps = after["+Inf"] - before["+Inf"]
-    over_four = steps - (after["4.0"] - before["4.0"])
-    assert over_four > 0, "concurrent requests never shared a decode step"
+    assert steps - (after["4.0"] - before["4.0"]) >= 2 * 29, "concurrent requests did not share decode steps"
 
 
 async def test_unbatched_engine_is_bit_exact_under_load(tiny_model: Path) -> None:
