@@ -214,17 +214,22 @@ def test_stop_string_trims_the_text(engine: str, tokenizer: Any) -> None:
     assert all(out["text"].startswith(ev["text"]) for ev in events)
 
 
+async def until_queued(url: str, n: int) -> None:
+    """Wait until `n` requests wait in the engine's queue (generation paused)."""
+
+    def queued() -> bool:
+        return bool(httpx.get(f"{url}/get_server_info", timeout=5).json()["waiting"] == n)
+
+    await asyncio.to_thread(wait_until, queued, 30, f"{n} request(s) to wait in the queue")
+
+
 async def all_at_once(client: SGLangClient, url: str, calls: list[Any]) -> list[Any]:
     """Run the calls concurrently, all admitted together: generation is paused until every
     one of them waits in the engine's queue (however slowly they arrive)."""
     await client.pause()
     try:
         tasks = [asyncio.create_task(c) for c in calls]
-
-        def queued() -> bool:
-            return bool(httpx.get(f"{url}/get_server_info", timeout=5).json()["waiting"] == len(calls))
-
-        await asyncio.to_thread(wait_until, queued, 30, "every request to wait in the queue")
+        await until_queued(url, len(calls))
     finally:
         await client.resume()
     return list(await asyncio.gather(*tasks))
@@ -360,11 +365,7 @@ async def test_pause_holds_new_requests_until_continue(engine: str) -> None:
         await client.pause()
         try:
             task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_tokens=5, seed=1)))
-
-            def queued() -> bool:
-                return bool(httpx.get(f"{engine}/get_server_info", timeout=5).json()["waiting"] == 1)
-
-            await asyncio.to_thread(wait_until, queued, 10, "the request to wait in the queue")
+            await until_queued(engine, 1)
             assert not task.done()
         finally:
             await client.resume()
