@@ -107,6 +107,51 @@ class Keys:
         """The newest version the trainer has committed (set by the trainer)."""
         return f"{self.prefix}:trainer-version"
 
+    # -- operator-facing state (`nextstate status` reads these) --------------------------
+    @property
+    def watcher_state(self) -> str:
+        """Hash written by the watcher on every pass: what the engine really serves
+        (`engine_version`), what it should serve (`target_version`), `mismatch` 0|1,
+        `checked_at`, `engine`, `error`."""
+        return f"{self.prefix}:watcher-state"
+
+    @property
+    def refused_versions(self) -> str:
+        """Hash version -> JSON {by, reason, detail, at}: checkpoints a trainer or watcher
+        refused (did not verify, could not load). The dead-letter record of checkpoints."""
+        return f"{self.prefix}:refused-versions"
+
+    @property
+    def services(self) -> str:
+        """Hash service name -> JSON {state, pid, restarts, last_exit, since, port, error}:
+        the processes `nextstate up` supervises, as its supervisor sees them."""
+        return f"{self.prefix}:services"
+
+    @property
+    def buffer_counts(self) -> str:
+        """Hash outcome -> count: every turn the buffer decided on, counted once
+        (kept, forced, stale, and each exclusion reason)."""
+        return f"{self.prefix}:buffer-counts"
+
+    def session_decisions(self, session_id: str) -> str:
+        """Hash turn id -> outcome: what the buffer decided for each turn of a session
+        (written once per turn: redeliveries never count twice)."""
+        return f"{self.prefix}:session:{session_id}:decisions"
+
+    def session_settled(self, session_id: str) -> str:
+        """Set of turn indexes of a session the buffer has decided on (the at-least-one
+        rule waits for a final turn's ancestors)."""
+        return f"{self.prefix}:session:{session_id}:settled"
+
+    @property
+    def force_candidates(self) -> str:
+        """Sorted set turn id -> deadline: final turns waiting for the at-least-one rule."""
+        return f"{self.prefix}:force-candidates"
+
+    def force_candidate(self, turn_id: str) -> str:
+        """The parked ScoredTurn JSON of a force candidate."""
+        return f"{self.prefix}:force-candidate:{turn_id}"
+
     # -- rq job queues -----------------------------------------------------------------
     def queue(self, name: str) -> str:
         return f"{self.prefix}-{name}"
