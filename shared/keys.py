@@ -20,6 +20,7 @@ STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, DEAD)
 GROUP_JUDGE = "judge"
 GROUP_BUFFER = "buffer"
 GROUP_TRAINER = "trainer"
+GROUP_ARCHIVE = "archive"  # the buffer's archiver, beside the trainer on `batches`
 GROUPS = {TURNS: GROUP_JUDGE, SCORED: GROUP_BUFFER, BATCHES: GROUP_TRAINER}
 
 # The single field of a stream entry that holds the message JSON.

@@ -1,11 +1,13 @@
 """The buffer's FastAPI app: the `scored` consumer in the lifespan, the HTTP API beside it.
 
-Lifespan start: Redis bus, (tokenizer for imports), (bucket + archiver), the batcher,
-and the consumer group `buffer` on `scored`, each a background task. Shutdown is the
-graceful order: stop reading `scored`; publish partial batches at once, so in-flight
-handlers finish and their entries are acknowledged; stop the batcher (whatever is
-still unpublished stays unacknowledged and is redelivered); seal and upload the
-archive; close the clients.
+Lifespan start: Redis bus, (tokenizer for imports), the batcher, the consumer group
+`buffer` on `scored`, the final-turn loop of the at-least-one rule (finals.py), and,
+when archiving, the bucket and the `archive` group on `batches` — each a background
+task. Shutdown is the graceful order: stop reading `scored` and claiming final turns;
+publish partial batches at once, so in-flight handlers finish and their entries are
+acknowledged; stop the batcher (whatever is still unpublished stays unacknowledged and
+is redelivered); stop reading `batches`, seal and upload the archive (batches not
+uploaded stay pending for the next start); close the clients.
 
 Routes: `GET /get_data` (pull.py), `POST /receive` (seeds.py), `/healthz`, `/readyz`
 (Redis answers, the consumer runs, the bucket answers when archiving), `/metrics`.
@@ -21,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +33,7 @@ from redis.exceptions import RedisError
 from services.buffer import metrics as M
 from services.buffer.archive import Archiver
 from services.buffer.batcher import Batcher
+from services.buffer.finals import Finals
 from services.buffer.intake import Intake
 from services.buffer.ledger import Ledger, parse_version
 from services.buffer.pull import Puller
@@ -39,12 +42,14 @@ from services.buffer.settings import BufferSettings
 from shared import keys as K
 from shared.consumer import Consumer, default_consumer_name
 from shared.errors import BusError, MalformedMessage
-from shared.schemas import ScoredTurn
+from shared.schemas import Message, ScoredTurn, TrainBatch
 from shared.store import AsyncBucket
 from shared.streams import Bus
 from shared.telemetry import add_ops_routes
 
 log = logging.getLogger(__name__)
+
+MsgT = TypeVar("MsgT", bound=Message)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:
@@ -62,12 +67,12 @@ class Runtime:
     bucket: AsyncBucket | None = None
 
 
-class ConsumerLoop:
-    """Runs the `scored` consumer, starting a fresh one if it dies (e.g. Redis down at start)."""
+class ConsumerLoop(Generic[MsgT]):
+    """Runs a consumer, starting a fresh one if it dies (e.g. Redis down at start)."""
 
-    def __init__(self, make: Callable[[], Consumer[ScoredTurn]]) -> None:
+    def __init__(self, make: Callable[[], Consumer[MsgT]]) -> None:
         self._make = make
-        self.current: Consumer[ScoredTurn] | None = None
+        self.current: Consumer[MsgT] | None = None
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -103,30 +108,37 @@ def build_app(settings: BufferSettings) -> FastAPI:
             rt = Runtime(bus=bus, puller=Puller(bus))
             if cfg.tokenizer:
                 rt.builder = await asyncio.to_thread(load_builder, cfg.tokenizer)
-            archiver: Archiver | None = None
-            if cfg.archive:
-                rt.bucket = AsyncBucket(settings.bucket, max_workers=2)
-                stack.push_async_callback(rt.bucket.aclose)
-                archiver = Archiver(
-                    rt.bucket, settings.run, roll_samples=cfg.archive_roll_samples,
-                    roll_s=cfg.archive_roll_s, max_pending=cfg.archive_max_pending,
-                    retry_max_s=cfg.archive_retry_max_s,
-                )
             ledger = Ledger(bus, settings, cfg.session_ttl_s)
             batcher = Batcher(
                 ledger.publish_batch, size=cfg.batch_size, max_wait_s=cfg.max_wait_s,
                 retry_max_s=cfg.publish_retry_max_s,
-                on_published=archiver.offer if archiver is not None else None,
             )
             intake = Intake(ledger, batcher, cfg)
+            finals = Finals(ledger, batcher, cfg)
             name = cfg.consumer_name or default_consumer_name("buffer")
             loop = ConsumerLoop(lambda: Consumer(
                 bus, K.SCORED, K.GROUP_BUFFER, ScoredTurn, intake.handle,
                 name=name, concurrency=cfg.in_flight,
             ))
             batch_task = asyncio.create_task(batcher.run(), name="batcher")
-            archive_task = asyncio.create_task(archiver.run(), name="archive") if archiver else None
             consume_task = asyncio.create_task(loop.run(), name="consumer")
+            finals_task = asyncio.create_task(finals.run(), name="finals")
+            archiving: tuple[Archiver, ConsumerLoop[TrainBatch], asyncio.Task[None], asyncio.Task[None]] | None = None
+            if cfg.archive:
+                rt.bucket = AsyncBucket(settings.bucket, max_workers=2)
+                stack.push_async_callback(rt.bucket.aclose)
+                archiver = Archiver(
+                    rt.bucket, settings.run, roll_samples=cfg.archive_roll_samples,
+                    roll_s=cfg.archive_roll_s, max_pending=cfg.archive_max_pending,
+                    retry_max_s=cfg.archive_retry_max_s, max_batches=cfg.archive_in_flight // 2,
+                )
+                archive_loop = ConsumerLoop(lambda: Consumer(
+                    bus, K.BATCHES, K.GROUP_ARCHIVE, TrainBatch, archiver.handle,
+                    name=f"{name}-archive", concurrency=cfg.archive_in_flight,
+                ))
+                archiving = (archiver, archive_loop,
+                             asyncio.create_task(archiver.run(), name="archive"),
+                             asyncio.create_task(archive_loop.run(), name="archive-consumer"))
             app.state.rt = rt
             app.state.consumers = loop
             log.info("buffer started", extra={
@@ -137,14 +149,19 @@ def build_app(settings: BufferSettings) -> FastAPI:
                 yield
             finally:
                 loop.stop()
+                finals.stop()
                 batcher.drain()
                 grace = settings.streams.shutdown_grace_s
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(consume_task, grace + 5)
+                    await asyncio.wait_for(asyncio.gather(consume_task, finals_task), grace + 5)
                 batcher.stop()
                 await batch_task
-                if archiver is not None and archive_task is not None:
+                if archiving is not None:
+                    archiver, archive_loop, archive_task, archive_consumer = archiving
+                    archive_loop.stop()
                     await archiver.close(archive_task, timeout=grace)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(archive_consumer, grace + 5)
                 log.info("buffer stopped")
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -1,19 +1,26 @@
-"""Archive every published sample to the bucket as rolling gzip JSONL, off the hot path.
+"""Archive every batched sample to the bucket as rolling gzip JSONL, off the hot path.
 
-`offer(batch)` is synchronous and never waits: it appends the batch's samples to the
-open roll. A roll is sealed when it holds `roll_samples` samples or its first sample is
-`roll_s` old, then compressed (in a thread) and uploaded by a background task:
+The archiver reads `batches` in a consumer group of its own (`archive`), beside the
+trainer's: it sees every published batch, whatever happens to the buffer process that
+published it, and it acknowledges a batch only once the archive object holding it is
+uploaded. A buffer killed with a roll open therefore loses nothing: the restarted
+buffer (same consumer name) takes its unacknowledged batches back and archives them.
+
+`add(batch)` appends the batch's samples to the open roll and waits. A roll is sealed
+when it holds `roll_samples` samples, `max_batches` batches, or its first sample is
+`roll_s` old; it is then compressed (in a thread) and uploaded by the background task:
 
     samples/<run>/<YYYY-MM-DD>/<first sample ms>-<instance>-<seq>.jsonl.gz
 
 one `TrainSample` JSON per line. A failed upload is retried with backoff and counted;
-batching never waits for it. If the bucket stays away long enough that more than
-`max_pending` sealed rolls pile up, the oldest is dropped (counted, logged): the
-archive is a record, never a brake on training.
+batching and training never wait for it (they do not read this group). If the bucket
+stays away so long that more than `max_pending` sealed rolls pile up, the oldest is
+dropped and its batches acknowledged (counted, logged): the archive is a record, never
+a brake. On a graceful stop, rolls that could not be uploaded in time stay
+unacknowledged and are archived after the restart.
 
-Only published samples are archived, once each (the buffer offers a batch after it is
-on `batches`). What a SIGKILL interrupts — the open roll and unsent rolls — is lost
-from the archive (not from training); `close()` on a graceful stop seals and uploads.
+Delivery is at least once: a crash between an upload and its acknowledgement archives
+those batches again in a later object (sample ids tell the copies apart).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 
 from services.buffer import metrics as M
 from shared.checkpoints import samples_prefix
+from shared.consumer import Delivery
 from shared.schemas import TrainBatch, TrainSample
 from shared.store import AsyncBucket
 
@@ -40,6 +48,7 @@ log = logging.getLogger(__name__)
 class _Roll:
     seq: int
     lines: list[str] = field(default_factory=list)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
     started: float = field(default_factory=time.time)
 
 
@@ -47,6 +56,12 @@ class _Roll:
 class Sealed:
     key: str
     lines: tuple[str, ...]
+    waiters: tuple[asyncio.Future[None], ...] = ()
+
+    def settle(self) -> None:
+        for w in self.waiters:
+            if not w.done():
+                w.set_result(None)
 
 
 def encode(lines: tuple[str, ...] | list[str]) -> bytes:
@@ -69,6 +84,7 @@ class Archiver:
         roll_s: float,
         max_pending: int,
         retry_max_s: float,
+        max_batches: int = 128,
     ) -> None:
         self.bucket = bucket
         self.prefix = samples_prefix(run)
@@ -76,6 +92,7 @@ class Archiver:
         self.roll_s = roll_s
         self.max_pending = max_pending
         self.retry_max_s = retry_max_s
+        self.max_batches = max_batches
         self.instance = uuid.uuid4().hex[:8]
         self._seq = 0
         self._roll = _Roll(seq=0)
@@ -83,13 +100,21 @@ class Archiver:
         self._wake = asyncio.Event()
         self._closing = False
 
-    # -- the hot path: synchronous, O(samples) ----------------------------------------
-    def offer(self, batch: TrainBatch) -> None:
+    # -- the `archive` group's handler ----------------------------------------------------
+    async def add(self, batch: TrainBatch) -> None:
+        """Append `batch` to the open roll; return once a roll holding it is uploaded."""
+        waiter = asyncio.get_running_loop().create_future()
         if not self._roll.lines:
             self._roll.started = time.time()
         self._roll.lines.extend(s.to_json() for s in batch.samples)
-        if len(self._roll.lines) >= self.roll_samples:
+        self._roll.waiters.append(waiter)
+        if len(self._roll.lines) >= self.roll_samples or len(self._roll.waiters) >= self.max_batches:
             self._seal()
+        self._wake.set()
+        await asyncio.shield(waiter)
+
+    async def handle(self, batch: TrainBatch, delivery: Delivery) -> None:
+        await self.add(batch)
 
     @property
     def backlog(self) -> int:
@@ -104,9 +129,10 @@ class Archiver:
             return
         day = dt.datetime.fromtimestamp(roll.started, dt.timezone.utc).strftime("%Y-%m-%d")
         key = f"{self.prefix}{day}/{int(roll.started * 1000)}-{self.instance}-{roll.seq:06d}.jsonl.gz"
-        self._sealed.append(Sealed(key, tuple(roll.lines)))
+        self._sealed.append(Sealed(key, tuple(roll.lines), tuple(roll.waiters)))
         while len(self._sealed) > self.max_pending:
             dropped = self._sealed.popleft()
+            dropped.settle()
             M.ARCHIVE_DROPPED.inc(len(dropped.lines))
             log.error("archive backlog full, dropping the oldest roll",
                       extra={"key": dropped.key, "samples": len(dropped.lines)})
@@ -122,7 +148,7 @@ class Archiver:
             if self._sealed:
                 ok = await self._upload(self._sealed[0])
                 if ok:
-                    self._sealed.popleft()
+                    self._sealed.popleft().settle()
                     delay = 0.1
                     continue
                 if self._closing:
@@ -159,7 +185,8 @@ class Archiver:
         return True
 
     async def close(self, task: asyncio.Task[None], timeout: float) -> None:
-        """Seal the open roll, give uploads `timeout` seconds (one try each), count the rest."""
+        """Seal the open roll and give uploads `timeout` seconds (one try each). Batches
+        of rolls not uploaded stay unacknowledged: the next start archives them."""
         self._seal()
         self._closing = True
         self._wake.set()
@@ -169,7 +196,10 @@ class Archiver:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        lost = self.backlog
-        if lost:
-            M.ARCHIVE_DROPPED.inc(lost)
-            log.error("archive not uploaded before shutdown", extra={"samples": lost})
+        left = self.backlog
+        if left:
+            log.warning("archive not uploaded before shutdown; its batches stay pending for the next start",
+                        extra={"samples": left})
+        for sealed in self._sealed:
+            for w in sealed.waiters:
+                w.cancel()

@@ -39,7 +39,6 @@ class Outcome:
 
 
 Publish = Callable[[list[TrainSample]], Awaitable[Outcome]]
-OnPublished = Callable[[TrainBatch], None]
 
 
 class BatcherStopped(Exception):
@@ -61,13 +60,11 @@ class Batcher:
         size: int,
         max_wait_s: float,
         retry_max_s: float = 5.0,
-        on_published: OnPublished | None = None,
     ) -> None:
         self._publish = publish
         self.size = size
         self.max_wait_s = max_wait_s
         self.retry_max_s = retry_max_s
-        self._on_published = on_published
         self._queue: list[_Slot] = []  # waiting for a batch, oldest first
         self._by_id: dict[str, _Slot] = {}  # waiting or being published
         self._changed = asyncio.Event()
@@ -156,11 +153,6 @@ class Batcher:
                 M.BATCH_WAIT.observe(time.monotonic() - min(s.added for s in slots))
                 log.info("batch published", extra={"batch_id": outcome.batch.id, "samples": len(slots)})
                 self._settle(slots)
-                if self._on_published is not None:
-                    try:
-                        self._on_published(outcome.batch)
-                    except Exception:
-                        log.exception("on_published hook failed", extra={"batch_id": outcome.batch.id})
                 return
             M.PUBLISH_RETRIES.inc()
             with contextlib.suppress(asyncio.TimeoutError):

@@ -1,30 +1,39 @@
-"""The `scored` handler: rules, dedupe, staleness, session accounting, then the batch.
+"""The `scored` handler: rules, dedupe, staleness, then the batch or the at-least-one rule.
 
 For each ScoredTurn (see rules.py for the rules themselves):
 
-1. classify it; excluded and not a candidate for the at-least-one rule → done (counted);
+1. classify it; a turn that can never be a sample (side, no tokens) → decided, done;
 2. already in a published batch (its turn id is marked) or waiting in this buffer's
-   open batch → done, counted as a duplicate (the waiting case waits for that batch);
-3. staler than `max_staleness` behind `keys.trainer_version` → dropped (counted);
-4. recorded in the session's sample set (atomic: the at-least-one decision is made
-   there) → not kept / kept / kept as forced;
-5. built into a TrainSample and handed to the batcher; the handler returns — and the
-   consumer acknowledges the entry — only once that sample's batch is published.
+   open batch → a duplicate, done (the waiting case waits for that batch);
+3. eligible and no more than `max_staleness` versions behind `keys.trainer_version` →
+   recorded as kept in its session's sample set and handed to the batcher; the handler
+   returns — and the consumer acknowledges the entry — only once that sample's batch
+   is published;
+4. otherwise (excluded by a rule, or stale): a session's *final* turn is parked as a
+   force candidate (finals.py decides it once the session's earlier turns are decided);
+   any other turn is decided as excluded, with its reason (`stale` for stale ones).
+
+Every decision is written once per turn with its outcome (ledger.py), so redeliveries
+never count twice and the per-rule counts in `nextstate status` are exact.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 from services.buffer import metrics as M
 from services.buffer.batcher import Batcher
-from services.buffer.ledger import FORCED, NOT_KEPT, Ledger
-from services.buffer.rules import build_sample, classify, is_stale
+from services.buffer.ledger import NOT_KEPT, Ledger
+from services.buffer.rules import build_sample, classify, staleness
 from services.buffer.settings import BufferConfig
 from shared.consumer import Delivery
 from shared.schemas import ScoredTurn
 
 log = logging.getLogger(__name__)
+
+STALE = "stale"
 
 
 class Intake:
@@ -36,9 +45,8 @@ class Intake:
     async def handle(self, scored: ScoredTurn, delivery: Delivery) -> None:
         turn = scored.turn
         verdict = classify(scored, self.cfg.mode)
-        minimum = self.cfg.min_samples_per_session
-        if not verdict.eligible and not (verdict.may_force and minimum > 0):
-            M.EXCLUDED.labels(verdict.reason or "unknown").inc()
+        if not verdict.buildable:
+            await self._exclude(scored, verdict.reason or "unknown")
             return
         waiter = self.batcher.waiter(turn.id)
         if waiter is not None:  # a redelivery racing the original: settle with its batch
@@ -50,18 +58,41 @@ class Intake:
             M.DUPLICATES.inc()
             log.debug("turn already batched", extra={"turn_id": turn.id, "entry": delivery.entry_id})
             return
-        if is_stale(scored, trainer_version, self.cfg.max_staleness):
+        behind = staleness(scored, trainer_version)
+        if behind is not None:
+            M.STALENESS.observe(behind)
+        stale = behind is not None and behind > self.cfg.max_staleness
+        if verdict.eligible and not stale:
+            kept = await self.ledger.record(
+                turn.session_id, turn.id, eligible=True, minimum=self.cfg.min_samples_per_session,
+                index=turn.turn_index,
+            )
+            if kept != NOT_KEPT:
+                M.SAMPLES.labels("kept").inc()
+                await self.batcher.add(build_sample(scored, self.cfg.mode))
+            return
+        reason = STALE if verdict.eligible else (verdict.reason or "unknown")
+        if verdict.final and self.cfg.min_samples_per_session > 0:
+            due = time.time() + self.cfg.force_settle_s
+            if await self.ledger.park(turn.session_id, turn.id, park_data(scored, reason), due):
+                M.PARKED.inc()
+            return
+        await self._exclude(scored, reason)
+
+    async def _exclude(self, scored: ScoredTurn, reason: str) -> None:
+        turn = scored.turn
+        await self.ledger.exclude(turn.session_id, turn.id, turn.turn_index, reason)
+        if reason == STALE:
             M.STALE.inc()
-            log.debug("stale sample dropped", extra={
-                "turn_id": turn.id, "policy_version": turn.policy_version,
-                "trainer_version": trainer_version})
-            return
-        kept = await self.ledger.record(
-            turn.session_id, turn.id, eligible=verdict.eligible, minimum=minimum
-        )
-        if kept == NOT_KEPT:
-            M.EXCLUDED.labels(verdict.reason or "unknown").inc()
-            return
-        forced = kept == FORCED
-        M.SAMPLES.labels("forced" if forced else "kept").inc()
-        await self.batcher.add(build_sample(scored, self.cfg.mode, forced=forced))
+        else:
+            M.EXCLUDED.labels(reason).inc()
+
+
+def park_data(scored: ScoredTurn, reason: str) -> str:
+    """What a parked force candidate holds: the scored turn and why it was not kept."""
+    return f'{{"reason":{json.dumps(reason)},"scored":{scored.to_json()}}}'
+
+
+def unpark_data(data: str) -> tuple[ScoredTurn, str]:
+    obj = json.loads(data)
+    return ScoredTurn.model_validate(obj["scored"]), str(obj["reason"])

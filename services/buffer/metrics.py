@@ -14,6 +14,15 @@ STALE = Counter(
     "nextstate_buffer_stale_dropped_total",
     "Samples dropped for being more than max_staleness versions behind the trainer",
 )
+STALENESS = Histogram(
+    "nextstate_buffer_sample_staleness_versions",
+    "Versions between the policy that sampled a turn and the trainer, at intake",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+)
+PARKED = Counter(
+    "nextstate_buffer_parked_final_turns_total",
+    "Final turns parked until their session's earlier turns are decided (at-least-one rule)",
+)
 DUPLICATES = Counter(
     "nextstate_buffer_duplicate_turns_total", "Scored turns whose turn id was already batched"
 )

@@ -21,9 +21,12 @@ data did not support. A mask of 0 instead would make "at least one sample trains
 empty words (OpenClaw-RL likewise promotes such a turn to loss_mask = 1).
 
 Staleness: a sample whose behaviour log-probs come from a policy more than
-`max_staleness` versions behind the trainer is dropped. A sample without behaviour
-log-probs (imported text) is exempt: the trainer uses its own log-probs for it, so it
-is on-policy by construction.
+`max_staleness` versions behind the trainer is not trained on its reward. A sample
+without behaviour log-probs (imported text) is exempt: the trainer uses its own
+log-probs for it, so it is on-policy by construction. Staleness is decided *before* the
+at-least-one rule: a session's stale final turn may still be its forced sample, and
+then it is an anchor only (reward 0, no teacher log-probs: A = 0, only the KL term
+counts), so a stale gradient never trains.
 """
 
 from __future__ import annotations
@@ -74,16 +77,22 @@ def classify(scored: ScoredTurn, mode: Mode) -> Verdict:
     return Verdict(True, None, final, buildable=True)
 
 
-def is_stale(scored: ScoredTurn, trainer_version: int | None, max_staleness: int) -> bool:
-    """More than `max_staleness` versions behind the trainer (only with behaviour log-probs)."""
+def staleness(scored: ScoredTurn, trainer_version: int | None) -> int | None:
+    """Versions between the policy that sampled the turn and the trainer (None: exempt)."""
     turn = scored.turn
     if trainer_version is None or turn.response_logprobs is None:
-        return False
-    return trainer_version - turn.policy_version > max_staleness
+        return None
+    return max(0, trainer_version - turn.policy_version)
 
 
-def build_sample(scored: ScoredTurn, mode: Mode, *, forced: bool = False) -> TrainSample:
-    """The TrainSample of a turn; its id is the turn id (so batches dedupe by turn)."""
+def build_sample(
+    scored: ScoredTurn, mode: Mode, *, forced: bool = False, anchor_only: bool = False
+) -> TrainSample:
+    """The TrainSample of a turn; its id is the turn id (so batches dedupe by turn).
+
+    `anchor_only` (a stale turn kept by the at-least-one rule): reward 0 and no teacher
+    log-probs, so its advantage is 0 in every mode and only the KL term trains.
+    """
     turn = scored.turn
     n = len(turn.response_ids)
     return TrainSample(
@@ -93,9 +102,9 @@ def build_sample(scored: ScoredTurn, mode: Mode, *, forced: bool = False) -> Tra
         tokens=[*turn.prompt_ids, *turn.response_ids],
         response_length=n,
         loss_mask=[1] * n,
-        reward=float(scored.reward),
+        reward=0.0 if anchor_only else float(scored.reward),
         rollout_logprobs=turn.response_logprobs,
-        teacher_logprobs=scored.teacher_logprobs,
+        teacher_logprobs=None if anchor_only else scored.teacher_logprobs,
         policy_version=turn.policy_version,
         weight_version=turn.weight_version,
         temperature=turn.sampling.temperature,

@@ -5,6 +5,7 @@
     NEXTSTATE_BUFFER__MAX_STALENESS=4        drop samples more than this many versions behind the trainer
     NEXTSTATE_BUFFER__MODE=rl                rl | opd | combine: which turns become samples
     NEXTSTATE_BUFFER__MIN_SAMPLES_PER_SESSION=1   at-least-one rule (0 turns it off)
+    NEXTSTATE_BUFFER__FORCE_SETTLE_S=300     a final turn waits for its session's earlier turns at most this long
     NEXTSTATE_BUFFER__ARCHIVE=true           gzip JSONL of every published sample in the bucket
     NEXTSTATE_BUFFER__ARCHIVE_ROLL_SAMPLES=1000   NEXTSTATE_BUFFER__ARCHIVE_ROLL_S=300
     NEXTSTATE_BUFFER__HOST=127.0.0.1         NEXTSTATE_BUFFER__PORT=8200
@@ -26,6 +27,13 @@ class BufferConfig(BaseModel):
     mode: Mode = "rl"
     min_samples_per_session: int = Field(1, ge=0, description="at-least-one rule; 0 disables")
     session_ttl_s: int = Field(24 * 3600, ge=60, description="life of a session's sample set in Redis")
+    # The at-least-one rule decides a session's final turn once its earlier turns are
+    # decided, or after this long (finals.py).
+    force_settle_s: float = Field(300.0, ge=0, description="longest wait for a final turn's ancestors")
+    force_sweep_s: float = Field(0.25, gt=0, description="how often parked final turns are checked")
+    force_scan: int = Field(1000, ge=1, description="parked final turns looked at per sweep")
+    force_lease: float | None = Field(
+        None, gt=0, description="a claimed final turn is held this long (default max_wait_s + 60)")
     # Handlers in flight: each waits until the batch holding its sample is published, so
     # this must be at least one batch; two lets the next batch fill while one publishes.
     concurrency: int | None = Field(None, ge=1, description="default: 2 x batch_size")
@@ -39,6 +47,7 @@ class BufferConfig(BaseModel):
     archive_roll_s: float = Field(300.0, gt=0, description="seal an archive object after this")
     archive_max_pending: int = Field(64, ge=1, description="sealed objects waiting to upload; then drop oldest")
     archive_retry_max_s: float = Field(30.0, gt=0, description="backoff cap for failed uploads")
+    archive_in_flight: int = Field(256, ge=2, description="batches the archive group holds unacknowledged")
 
     host: str = "127.0.0.1"
     port: int = Field(8200, ge=0, le=65535)
@@ -55,6 +64,11 @@ class BufferConfig(BaseModel):
                 "never fill (every handler waits for its batch); raise it or leave it unset"
             )
         return self
+
+    @property
+    def force_lease_s(self) -> float:
+        """How long a claimed final turn is held: long enough for its batch to publish."""
+        return self.force_lease if self.force_lease is not None else self.max_wait_s + 60.0
 
     @property
     def in_flight(self) -> int:

@@ -133,6 +133,31 @@ async def test_archive_holds_every_published_sample(
     assert metric(text, "nextstate_buffer_archive_uploads_total") == 2
 
 
+async def test_a_killed_buffer_loses_nothing_from_the_archive(
+    s3_env: dict[str, str], s3_settings: Settings, bus: Bus, procs: list[ServiceProcess],
+) -> None:
+    """The open roll dies with the process; its batches stay pending in the `archive`
+    group and the restarted buffer (same name) archives them."""
+    penv, url = process_env(s3_env, batch_size=2, max_wait_s=60, archive=True,
+                            archive_roll_samples=1000, archive_roll_s=3600, consumer_name="buffer")
+    first = start(procs, penv, url)
+    for i in range(6):
+        await bus.publish(K.SCORED, scored_turn(f"s{i}", 0))
+    await eventually(lambda: group_done(bus), what="6 samples batched")
+    await eventually(lambda: _is(pending(bus, K.BATCHES, K.GROUP_ARCHIVE), 3),
+                     what="3 batches held by the open roll")
+    first.kill()
+    prefix = samples_prefix(s3_settings.run)
+    with Bucket(s3_settings.bucket) as bucket:
+        assert list(bucket.list(prefix)) == []  # the roll never reached the bucket
+        penv["NEXTSTATE_BUFFER__ARCHIVE_ROLL_S"] = "0.5"
+        start(procs, penv, url)
+        await eventually(lambda: group_done(bus, K.BATCHES, K.GROUP_ARCHIVE), timeout=20,
+                         what="the archive group caught up")
+        got = [s for o in bucket.list(prefix) for s in decode(bucket.get_bytes(o.key))]
+    assert sorted(s.id for s in got) == sorted(s.id for s in await samples(bus))
+
+
 async def test_unreachable_bucket_never_blocks_batching(
     env: dict[str, str], bus: Bus, procs: list[ServiceProcess],
 ) -> None:

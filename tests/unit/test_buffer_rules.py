@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from services.buffer.archive import decode, encode
-from services.buffer.rules import build_sample, classify, is_final, is_stale
+from services.buffer.rules import build_sample, classify, is_final, staleness
 from shared.schemas import Mode, SamplingParams, ScoredTurn, TrainBatch, Turn
 
 
@@ -80,10 +80,17 @@ def test_a_non_final_excluded_turn_is_not_forced() -> None:
 
 def test_staleness() -> None:
     s = scored(policy_version=3)
-    assert not is_stale(s, None, 2)  # no trainer version yet
-    assert not is_stale(s, 5, 2)  # exactly max_staleness behind
-    assert is_stale(s, 6, 2)
-    assert not is_stale(scored(policy_version=3, logprobs=False), 60, 2)  # imported: on-policy
+    assert staleness(s, None) is None  # no trainer version yet
+    assert staleness(s, 5) == 2
+    assert staleness(s, 1) == 0  # a rollback put the trainer behind: not negative
+    assert staleness(scored(policy_version=3, logprobs=False), 60) is None  # imported: on-policy
+
+
+def test_a_stale_forced_sample_is_an_anchor_only() -> None:
+    sample = build_sample(scored(1, teacher=True), "combine", forced=True, anchor_only=True)
+    assert sample.forced and sample.loss_mask == [1, 1, 1]
+    assert sample.reward == 0.0 and sample.teacher_logprobs is None  # A = 0 in every mode
+    assert sample.rollout_logprobs == [-0.5] * 3
 
 
 def test_build_sample() -> None:
