@@ -91,6 +91,8 @@ class Turn(Message):
     weight_version: str = "0"
     policy_version: int = Field(0, ge=0)
     finish_reason: str | None = None
+    # The `id` of the chat completion the client received (ties a response to its turn).
+    completion_id: str | None = None
     # Every message between this response and the end of the request that followed it
     # (the user's reply, or all tool results). None: the session ended or the turn expired.
     next_state: list[dict[str, Any]] | None = None
@@ -249,6 +251,9 @@ class PolicyLoaded(Message):
     download_s: float = 0.0
     load_s: float = 0.0
     sync_s: float | None = None  # LATEST commit -> the engine answering with this version
+    # Why it was loaded: a version the watcher had not served yet (new LATEST, rollback,
+    # fallback), or the one it serves put back into an engine that lost it (restart, ...).
+    cause: Literal["new_version", "reconcile"] = "new_version"
 
 
 class DeadLetter(Message):

@@ -123,7 +123,8 @@ class ChatService:
         return out
 
     async def _capture(
-        self, prep: Prepared, message: dict[str, Any], result: GenerateResult, finish: str
+        self, prep: Prepared, message: dict[str, Any], result: GenerateResult, finish: str,
+        cid: str,
     ) -> None:
         call = prep.call
         if call.turn_type != "main":
@@ -144,6 +145,7 @@ class ChatService:
             weight_version=wv,
             policy_version=int(wv) if wv.isdigit() else 0,
             finish_reason=finish,
+            completion_id=cid,
             closed_by="session_done" if call.session_done else "next_request",
             requested_at=prep.requested_at,
             responded_at=time.time(),
@@ -170,11 +172,12 @@ class ChatService:
         )  # fmt: skip
         message = message_dict(msg)
         finish = finish_reason(msg, result.finish_reason)
+        cid = completion_id()
         body = completion(
-            completion_id(), int(time.time()), self.model_name, message, finish,
+            cid, int(time.time()), self.model_name, message, finish,
             len(prep.ids), len(result.output_ids), f"nextstate-{version}",
         )  # fmt: skip
-        await self._capture(prep, message, result, finish)
+        await self._capture(prep, message, result, finish, cid)
         out = dumps(body)
         total = time.perf_counter() - t0
         M.REQUEST_SECONDS.labels("plain").observe(total)
@@ -236,7 +239,7 @@ class ChatService:
         message = message_dict(parser.message())
         finish = parser.finish_reason(result.finish_reason)
         yield out.delta({}, finish)
-        await self._capture(prep, message, result, finish)
+        await self._capture(prep, message, result, finish, out.id)
         if call.include_usage:
             yield out.usage(len(prep.ids), len(result.output_ids))
         yield out.done()

@@ -81,6 +81,7 @@ class ChunkWriter:
     """Server-sent events of one streamed completion: `data: {chunk}\\n\\n`, then `[DONE]`."""
 
     def __init__(self, cid: str, created: int, model: str, fingerprint: str) -> None:
+        self.id = cid
         head = {"id": cid, "object": "chat.completion.chunk", "created": created,
                 "model": model, "system_fingerprint": fingerprint}  # fmt: skip
         # Every chunk shares this prefix; only the choices (or usage) differ.

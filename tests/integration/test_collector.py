@@ -75,7 +75,8 @@ def turns(stack: dict[str, str]) -> Iterator[Turns]:
 
 def ask(client: openai.OpenAI, messages: list[Any], headers: dict[str, str] | None = None,
         **kw: Any) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
-    """One plain completion: (assistant message as an agent appends it, response headers)."""
+    """One plain completion: (assistant message as an agent appends it, response headers
+    plus `completion-id`: the response's own `id`)."""
     raw = client.chat.completions.with_raw_response.create(
         model="tiny", messages=messages, max_tokens=kw.pop("max_tokens", 12), extra_headers=headers,
         **kw,
@@ -83,7 +84,7 @@ def ask(client: openai.OpenAI, messages: list[Any], headers: dict[str, str] | No
     resp = raw.parse()
     assert resp.object == "chat.completion" and len(resp.choices) == 1
     msg = resp.choices[0].message.model_dump(exclude_none=True)
-    return msg, dict(raw.headers)
+    return msg, {**raw.headers, "completion-id": resp.id}
 
 
 def ask_stream(client: openai.OpenAI, messages: list[Any],
@@ -93,7 +94,7 @@ def ask_stream(client: openai.OpenAI, messages: list[Any],
         stream_options={"include_usage": True}, extra_headers=headers, **kw,
     ) as raw:
         chunks = list(raw.parse())
-        hdrs = dict(raw.headers)
+        hdrs = {**raw.headers, "completion-id": chunks[0].id}
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     usage = chunks[-1].usage
@@ -126,6 +127,7 @@ def test_plain_completion_is_captured_with_the_engines_exact_tokens(
     assert t.messages == msgs and t.response["content"] == reply["content"]
     assert t.sampling == SamplingParams(temperature=0.9, max_tokens=12, seed=11)
     assert t.weight_version == "0" and t.model == stack["model"]
+    assert t.completion_id == headers["completion-id"]  # the client's response, tied to its turn
     # The engine itself, given the same ids and seed, samples exactly these tokens.
     import asyncio
 
@@ -157,6 +159,7 @@ def test_streamed_completion_and_session_done(client: openai.OpenAI, turns: Turn
     assert first.response["content"] == reply["content"]
     assert last.closed_by == "session_done" and last.next_state is None
     assert last.response["content"] == reply2["content"] and last.messages == follow
+    assert (first.completion_id, last.completion_id) == (headers["completion-id"], h2["completion-id"])
     for t in got:
         check_turn(t, tpl)
     assert len(first.response_ids) == usage.completion_tokens
