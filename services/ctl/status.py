@@ -2,7 +2,11 @@
 
 For each stream: length and shed count; for each consumer group: pending (delivered,
 not acked), lag (not yet delivered), consumers and how long each has been idle; the
-dead-letter count; the policy version the engine serves and the trainer's newest.
+dead-letter count. Then what the rest of the stack reports through Redis: the version
+the engine *really* serves (the watcher checks it every pass) beside the one it should
+serve and the trainer's newest, flagged when they disagree; checkpoints refused; turns
+waiting for their next state; what the buffer decided, per rule; and, under `nextstate
+up`, each supervised process (restarts, crash loops).
 A stage is named *stalled* when it has work (lag or pending) and nothing was acked
 over the sampling window (`--window`, default 2 s): its backlog stays put or grows.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -31,14 +36,36 @@ def register(sub: Any) -> None:
 
 async def snapshot(bus: Bus) -> dict[str, Any]:
     streams = [await bus.stream_info(name) for name in K.STREAMS]
-    serving, trained = await bus.redis.mget(bus.keys.policy_version, bus.keys.trainer_version)
+    keys = bus.keys
+    serving, trained = await bus.redis.mget(keys.policy_version, keys.trainer_version)
+    pipe = bus.redis.pipeline(transaction=False)
+    pipe.hgetall(keys.watcher_state)
+    pipe.hgetall(keys.refused_versions)
+    pipe.hgetall(keys.services)
+    pipe.hgetall(keys.buffer_counts)
+    pipe.zcard(keys.force_candidates)
+    pipe.zcard(keys.pending_deadlines)
+    watcher, refused, services, counts, parked, waiting = await pipe.execute()
     return {
-        "prefix": bus.keys.prefix,
+        "prefix": keys.prefix,
         "streams": streams,
         "dead_letters": next(s["length"] for s in streams if s["stream"] == K.DEAD),
         "policy_version": None if serving is None else int(serving),
         "trainer_version": None if trained is None else int(trained),
+        "watcher": watcher or None,
+        "refused_versions": {int(v): _json(r) for v, r in refused.items()},
+        "services": {name: _json(r) for name, r in sorted(services.items())},
+        "buffer": {"decisions": {k: int(v) for k, v in sorted(counts.items())},
+                   "final_turns_waiting": int(parked)},
+        "turns_waiting_next_state": int(waiting),
     }
+
+
+def _json(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"raw": raw}
 
 
 def _acked(group: dict[str, Any]) -> int:
@@ -64,9 +91,54 @@ def mark_stalls(before: dict[str, Any], after: dict[str, Any], window_s: float) 
     after["stalled"] = stalled
 
 
+def _v(version: Any) -> str:
+    return "-" if version in (None, "") else f"v{version}"
+
+
+def render_versions(snap: dict[str, Any]) -> list[str]:
+    """The served / target / trained versions, with the watcher's mismatch flag."""
+    line = f"prefix {snap['prefix']}   serving policy {_v(snap['policy_version'])}"
+    w = snap.get("watcher")
+    if w:
+        line += f" (engine reports {_v(w.get('engine_version'))}, target {_v(w.get('target_version'))}"
+        age = time.time() - float(w.get("checked_at") or 0)
+        line += f", checked {age:.0f}s ago)" if w.get("checked_at") else ")"
+    line += f"   trainer {_v(snap['trainer_version'])}"
+    lines = [line]
+    if w and w.get("mismatch") == "1":
+        lines.append(f"  MISMATCH: the engine serves {_v(w.get('engine_version'))}, should serve "
+                     f"{_v(w.get('target_version'))}" + (f" ({w['error']})" if w.get("error") else ""))
+    for version, r in sorted(snap.get("refused_versions", {}).items()):
+        lines.append(f"  refused v{version} by {r.get('by', '?')}: {r.get('reason', '?')} "
+                     f"{str(r.get('detail', ''))[:120]}")
+    return lines
+
+
+def render_services(snap: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, st in snap.get("services", {}).items():
+        flag = "  CRASH LOOP" if st.get("state") == "crash-loop" else ""
+        last = f"  last exit {st['last_exit']}" if st.get("last_exit") not in (None, "") else ""
+        lines.append(f"  {name:<12} {st.get('state', '?'):<11} pid {st.get('pid') or '-':<8} "
+                     f"restarts {st.get('restarts', 0)}{last}{flag}")
+    return (["processes (nextstate up):", *lines]) if lines else []
+
+
+def render_buffer(snap: dict[str, Any]) -> list[str]:
+    b = snap.get("buffer") or {}
+    decisions = b.get("decisions") or {}
+    if not decisions and not b.get("final_turns_waiting"):
+        return []
+    parts = [f"{k} {v}" for k, v in decisions.items()]
+    line = "buffer decisions: " + (", ".join(parts) if parts else "none")
+    if b.get("final_turns_waiting"):
+        line += f"   final turns waiting for their session: {b['final_turns_waiting']}"
+    return [line]
+
+
 def render(snap: dict[str, Any]) -> str:
-    lines = [f"prefix {snap['prefix']}   serving policy v{snap['policy_version'] if snap['policy_version'] is not None else '-'}"
-             f"   trainer v{snap['trainer_version'] if snap['trainer_version'] is not None else '-'}"]
+    lines = render_versions(snap)
+    lines.append(f"turns waiting for their next state: {snap.get('turns_waiting_next_state', 0)}")
     for s in snap["streams"]:
         shed = f"  shed {s['shed']}" if s["shed"] else ""
         lines.append(f"{s['stream']:<12} length {s['length']:>7}{shed}")
@@ -79,7 +151,9 @@ def render(snap: dict[str, Any]) -> str:
                          f"  consumers {len(g['consumers'])}{rate}{flag}")
             for c in g["consumers"]:
                 lines.append(f"    {c['name']:<40} pending {c['pending']:>5}  idle {human_ms(c['idle_ms'])}")
+    lines.extend(render_buffer(snap))
     lines.append(f"dead letters: {snap['dead_letters']}" + ("  (nextstate dlq list)" if snap["dead_letters"] else ""))
+    lines.extend(render_services(snap))
     if snap.get("stalled"):
         lines.append("stalled: " + ", ".join(snap["stalled"]))
     return "\n".join(lines)

@@ -114,6 +114,38 @@ async def test_status_json_reports_streams_groups_and_stalls(bus: Bus, env: dict
     assert "turns" in text and "worker-1" in text
 
 
+async def test_status_shows_the_real_serving_version_refusals_decisions_and_processes(
+    bus: Bus, env: dict[str, str]
+) -> None:
+    """What the watcher, trainer, buffer and `up`'s supervisor write to Redis, in one view."""
+    k = bus.keys
+    await bus.redis.hset(k.watcher_state, mapping={
+        "engine_version": "0", "target_version": "5", "mismatch": "1", "checked_at": "1",
+        "engine": "http://e", "error": "", "latest_version": "5"})
+    await bus.redis.hset(k.refused_versions, "6", json.dumps(
+        {"by": "trainer", "reason": "checksum", "detail": "model.safetensors", "at": 1.0}))
+    await bus.redis.hset(k.buffer_counts, mapping={"kept": 12, "stale": 2, "no_next_state": 3})
+    await bus.redis.zadd(k.force_candidates, {"t1": 1.0})
+    await bus.redis.zadd(k.pending_deadlines, {"h1": 1.0, "h2": 2.0})
+    await bus.redis.hset(k.services, mapping={
+        "trainer": json.dumps({"state": "crash-loop", "pid": 42, "restarts": 7, "last_exit": 1}),
+        "collector": json.dumps({"state": "running", "pid": 41, "restarts": 0})})
+    snap = json.loads(run(env, "status", "--json", "--window", "0").stdout)
+    assert snap["watcher"]["mismatch"] == "1" and snap["watcher"]["target_version"] == "5"
+    assert snap["refused_versions"] == {"6": {"by": "trainer", "reason": "checksum",
+                                              "detail": "model.safetensors", "at": 1.0}}
+    assert snap["buffer"] == {"decisions": {"kept": 12, "no_next_state": 3, "stale": 2},
+                              "final_turns_waiting": 1}
+    assert snap["turns_waiting_next_state"] == 2
+    assert snap["services"]["trainer"]["state"] == "crash-loop"
+    text = run(env, "status", "--window", "0").stdout
+    assert "MISMATCH: the engine serves v0, should serve v5" in text
+    assert "refused v6 by trainer: checksum" in text
+    assert "buffer decisions: kept 12, no_next_state 3, stale 2" in text
+    assert "turns waiting for their next state: 2" in text
+    assert "CRASH LOOP" in text and "restarts 7" in text
+
+
 async def test_status_flowing_group_not_stalled(bus: Bus, env: dict[str, str]) -> None:
     await bus.ensure_group("turns", "judge")
     for i in range(1000):  # backlog for 50 s of acks
