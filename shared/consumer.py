@@ -82,9 +82,20 @@ class Delivery:
 Handler = Callable[[M, Delivery], Awaitable[None]]
 
 
+def consumer_name(configured: str | None, service: str) -> str:
+    """The consumer name a service instance uses: `configured` with `{hostname}` and `{pid}`
+    filled in (`judge-{hostname}` in a container, `buffer`), else `<service>-<host>-<pid>`.
+
+    A stable name (no `{pid}`) lets a restarted instance take back its own pending entries
+    at once; the default is unique per process, so its pending entries wait for the janitor.
+    """
+    template = configured or f"{service}-{{hostname}}-{{pid}}"
+    return template.replace("{hostname}", socket.gethostname()).replace("{pid}", str(os.getpid()))
+
+
 def default_consumer_name(service: str) -> str:
-    """`<host>-<pid>`: unique per process. Set a stable name to reclaim own work on restart."""
-    return f"{service}-{socket.gethostname()}-{os.getpid()}"
+    """`<service>-<host>-<pid>`: unique per process. Set a stable name to reclaim own work on restart."""
+    return consumer_name(None, service)
 
 
 class Consumer(Generic[M]):

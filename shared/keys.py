@@ -124,8 +124,9 @@ class Keys:
 
     @property
     def services(self) -> str:
-        """Hash service name -> JSON {state, pid, restarts, last_exit, since, port, error}:
-        the processes `nextstate up` supervises, as its supervisor sees them."""
+        """Hash service name -> JSON {state, pid, restarts, last_exit, since, port,
+        serving_path, backoff_s, error}: the processes `nextstate up` supervises, as its
+        supervisor sees them."""
         return f"{self.prefix}:services"
 
     @property

@@ -40,7 +40,7 @@ from services.buffer.pull import Puller
 from services.buffer.seeds import TurnBuilder, parse_records
 from services.buffer.settings import BufferSettings
 from shared import keys as K
-from shared.consumer import Consumer, default_consumer_name
+from shared.consumer import Consumer, consumer_name
 from shared.errors import BusError, MalformedMessage
 from shared.schemas import Message, ScoredTurn, TrainBatch
 from shared.store import AsyncBucket
@@ -115,7 +115,7 @@ def build_app(settings: BufferSettings) -> FastAPI:
             )
             intake = Intake(ledger, batcher, cfg)
             finals = Finals(ledger, batcher, cfg)
-            name = cfg.consumer_name or default_consumer_name("buffer")
+            name = consumer_name(cfg.consumer_name, "buffer")
             loop = ConsumerLoop(lambda: Consumer(
                 bus, K.SCORED, K.GROUP_BUFFER, ScoredTurn, intake.handle,
                 name=name, concurrency=cfg.in_flight,

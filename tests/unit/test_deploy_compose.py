@@ -13,6 +13,7 @@ import importlib
 import inspect
 import os
 import re
+import socket
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from shared.consumer import consumer_name
 from shared.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -281,6 +283,26 @@ def test_judge_scales() -> None:
     for port in judge.get("ports", []):
         assert ":" not in str(port), f"judge publishes a fixed host port: {port}"
     assert not any("container_name" in svc for name, svc, _ in ours())
+
+
+def test_every_consumer_has_a_stable_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted container keeps its hostname, so a judge named after it takes back its
+    own pending turns at once; the one buffer and the trainer have fixed names."""
+    svcs = services()
+    monkeypatch.setattr(socket, "gethostname", lambda: "3f2a9c81b7d4")  # a container's id
+    judge = svcs["judge"]["environment"]["NEXTSTATE_JUDGE__CONSUMER_NAME"]
+    assert consumer_name(judge, "judge") == "judge-3f2a9c81b7d4"
+    assert consumer_name(svcs["buffer"]["environment"]["NEXTSTATE_BUFFER__CONSUMER_NAME"], "buffer") == "buffer"
+    for name in ("trainer-cpu", "trainer-gpu"):  # the default, trainer-<run>
+        assert "NEXTSTATE_TRAINER__CONSUMER_NAME" not in svcs[name]["environment"]
+    for name, svc, _ in ours():
+        names = [str(v) for k, v in (svc.get("environment") or {}).items() if k.endswith("__CONSUMER_NAME")]
+        assert all("{pid}" not in n for n in names), f"{name}: a per-process name is not stable"
+
+
+def test_redis_fsyncs_every_write() -> None:
+    command = " ".join(services()["redis"]["command"])
+    assert "--appendonly yes" in command and "--appendfsync always" in command
 
 
 def test_long_running_services_have_healthchecks() -> None:

@@ -1,0 +1,77 @@
+"""What `nextstate up` launches, checked without launching it: stable consumer names,
+the serving path, and dependents built from the final port of what they depend on."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from services.ctl.__main__ import build_parser
+from services.ctl.supervisor import Proc, Supervisor
+from services.ctl.up import Stack
+from shared.consumer import consumer_name, default_consumer_name
+from shared.settings import Settings, load_settings
+
+
+class Recorder(Supervisor):
+    """Takes each Proc as `up` builds it; the engine's first port turns out taken."""
+
+    async def start(self, p: Proc) -> bool:
+        if p.name == "engine":
+            assert p.rebind is not None
+            p.rebind(p)  # what the supervisor does after a bind failure before ready
+        self.procs.append(p)
+        return True
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("NEXTSTATE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NEXTSTATE_RUN", "r1")
+
+
+async def launched(tmp_path: Path, *argv: str) -> dict[str, Proc]:
+    args = build_parser().parse_args(["up", "--home", str(tmp_path), *argv])
+    stack = Stack(args, load_settings(Settings), Recorder(out=io.StringIO()))
+    await stack.services(tmp_path / "model")
+    return {p.name: p for p in stack.sup.procs}
+
+
+async def test_consumers_get_stable_names_and_the_serving_path_is_marked(tmp_path: Path) -> None:
+    procs = await launched(tmp_path, "--judges", "2")
+    assert list(procs) == ["engine", "collector", "judge-0", "judge-1", "buffer", "trainer", "watcher"]
+    assert procs["judge-0"].env["NEXTSTATE_JUDGE__CONSUMER_NAME"] == "judge-0"
+    assert procs["judge-1"].env["NEXTSTATE_JUDGE__CONSUMER_NAME"] == "judge-1"
+    assert procs["buffer"].env["NEXTSTATE_BUFFER__CONSUMER_NAME"] == "buffer"
+    assert "NEXTSTATE_TRAINER__CONSUMER_NAME" not in procs["trainer"].env  # default: trainer-<run>
+    assert {n for n, p in procs.items() if p.serving_path} == {"engine", "collector"}
+    ports = [p.port for p in procs.values()]
+    assert None not in ports and len(set(ports)) == len(ports)
+
+
+async def test_dependents_are_built_from_the_final_port(tmp_path: Path) -> None:
+    procs = await launched(tmp_path, "--port", "18000")
+    engine = procs["engine"]
+    assert engine.argv[engine.argv.index("--port") + 1] == str(engine.port)
+    engine_url = f"http://127.0.0.1:{engine.port}"
+    assert procs["collector"].env["NEXTSTATE_COLLECTOR__ENGINE_URL"] == engine_url
+    assert procs["watcher"].env["NEXTSTATE_WATCHER__ENGINE_URL"] == engine_url
+    assert procs["judge-0"].env["NEXTSTATE_JUDGE__ENGINE_URL"] == engine_url
+    # The port the user asked for is kept, never moved: a taken one is an error.
+    assert procs["collector"].port == 18000 and procs["collector"].rebind is None
+
+
+def test_consumer_name_placeholders(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "gethostname", lambda: "box")
+    pid = os.getpid()
+    assert consumer_name("judge-{hostname}", "judge") == "judge-box"
+    assert consumer_name("{hostname}", "judge") == "box"
+    assert consumer_name("buffer", "buffer") == "buffer"
+    assert consumer_name("w-{hostname}-{pid}", "judge") == f"w-box-{pid}"
+    assert consumer_name(None, "judge") == default_consumer_name("judge") == f"judge-box-{pid}"
+    assert consumer_name("", "buffer") == f"buffer-box-{pid}"
