@@ -29,7 +29,13 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from shared.errors import ChecksumMismatch, NoCheckpoint, ObjectNotFound, StoreError
+from shared.errors import (
+    ChecksumMismatch,
+    CorruptCheckpoint,
+    NoCheckpoint,
+    ObjectNotFound,
+    StoreError,
+)
 from shared.schemas import CheckpointFile, CheckpointManifest, LatestPointer, describe
 from shared.store import Bucket, FileDigest
 
@@ -84,7 +90,8 @@ def samples_prefix(run: str) -> str:
 
 # -- reading the pointers ----------------------------------------------------------------------
 def read_latest(bucket: Bucket, run: str) -> LatestPointer | None:
-    """The version readers should serve, or None before the first publish."""
+    """The version readers should serve, or None before the first publish;
+    `CorruptCheckpoint` if the pointer is there but unreadable."""
     key = latest_key(run)
     try:
         data = bucket.get_bytes(key)
@@ -93,11 +100,11 @@ def read_latest(bucket: Bucket, run: str) -> LatestPointer | None:
     try:
         return LatestPointer.model_validate_json(data)
     except ValidationError as exc:
-        raise StoreError(f"{key} is not a valid LATEST pointer: {describe(exc)}") from None
+        raise CorruptCheckpoint(f"{key} is not a valid LATEST pointer: {describe(exc)}") from None
 
 
 def read_manifest(bucket: Bucket, key: str) -> CheckpointManifest:
-    """The manifest at `key`; `NoCheckpoint` if there is none."""
+    """The manifest at `key`; `NoCheckpoint` if there is none, `CorruptCheckpoint` if it does not parse."""
     try:
         data = bucket.get_bytes(key)
     except ObjectNotFound:
@@ -105,7 +112,7 @@ def read_manifest(bucket: Bucket, key: str) -> CheckpointManifest:
     try:
         return CheckpointManifest.model_validate_json(data)
     except ValidationError as exc:
-        raise StoreError(f"{key} is not a valid checkpoint manifest: {describe(exc)}") from None
+        raise CorruptCheckpoint(f"{key} is not a valid checkpoint manifest: {describe(exc)}") from None
 
 
 def set_latest(bucket: Bucket, run: str, version: int) -> LatestPointer:
@@ -139,6 +146,12 @@ def _scan(bucket: Bucket, run: str) -> dict[int, tuple[bool, float]]:
 def list_versions(bucket: Bucket, run: str) -> list[int]:
     """Versions with a committed manifest, oldest first (half-uploaded ones are not listed)."""
     return sorted(v for v, (has, _) in _scan(bucket, run).items() if has)
+
+
+def all_versions(bucket: Bucket, run: str) -> list[int]:
+    """Every version with any object in the bucket (committed, half-uploaded, damaged), oldest
+    first: the numbers a new version must never reuse."""
+    return sorted(_scan(bucket, run))
 
 
 # -- publishing --------------------------------------------------------------------------------
@@ -186,7 +199,8 @@ def publish_checkpoint(
 
     LATEST only moves forward here: if it already points at a newer version (uploads that
     finished out of order), the manifest is written but LATEST is left alone. Rollback is
-    `set_latest`'s job.
+    `set_latest`'s job. An unreadable LATEST is replaced (with a warning), never a reason
+    for every commit to fail.
     """
     src = Path(src_dir)
     prefix = version_prefix(run, version)
@@ -205,7 +219,7 @@ def publish_checkpoint(
         consumed_batch_ids=list(consumed_batch_ids), metrics=dict(metrics or {}),
     )
     bucket.put_json(manifest_key(run, version), manifest)
-    current = read_latest(bucket, run)
+    current = _pointer_to_replace(bucket, run)
     if current is not None and current.version > version:
         log.warning("LATEST already at a newer version; not moving it back",
                     extra={"run": run, "version": version, "latest": current.version})
@@ -218,6 +232,16 @@ def publish_checkpoint(
     return manifest
 
 
+def _pointer_to_replace(bucket: Bucket, run: str) -> LatestPointer | None:
+    """LATEST as a publish sees it. An unreadable pointer counts as absent, so the new version
+    (numbered above everything in the bucket) replaces it rather than every commit failing."""
+    try:
+        return read_latest(bucket, run)
+    except CorruptCheckpoint as exc:
+        log.warning("LATEST is unreadable; the new version replaces it", extra={"run": run, "error": str(exc)})
+        return None
+
+
 # -- downloading -------------------------------------------------------------------------------
 def _safe_paths(manifest: CheckpointManifest) -> list[PurePosixPath]:
     """Refuse manifests whose paths could escape the version folder or collide."""
@@ -226,10 +250,10 @@ def _safe_paths(manifest: CheckpointManifest) -> list[PurePosixPath]:
         p = PurePosixPath(f.path)
         if p.is_absolute() or not p.parts or any(part in ("", ".", "..") for part in p.parts) \
                 or "\\" in f.path or p.as_posix() != f.path or f.path == MANIFEST:
-            raise StoreError(f"manifest of {manifest.run} v{manifest.version} lists an unsafe path {f.path!r}")
+            raise CorruptCheckpoint(f"manifest of {manifest.run} v{manifest.version} lists an unsafe path {f.path!r}")
         paths.append(p)
     if len(set(paths)) != len(paths):
-        raise StoreError(f"manifest of {manifest.run} v{manifest.version} lists a file twice")
+        raise CorruptCheckpoint(f"manifest of {manifest.run} v{manifest.version} lists a file twice")
     return paths
 
 

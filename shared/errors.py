@@ -8,6 +8,7 @@
     ├── StoreError             the bucket
     │   ├── ObjectNotFound     the key does not exist (S3 NoSuchKey)
     │   ├── NoCheckpoint       no LATEST / manifest where one was expected
+    │   ├── CorruptCheckpoint  a LATEST, manifest or trainer state that is there but unreadable
     │   └── ChecksumMismatch   a downloaded file does not match its manifest
     └── EngineError            the inference engine
         ├── EngineUnavailable  cannot connect, or it answered 5xx
@@ -56,6 +57,13 @@ class ObjectNotFound(StoreError):
 
 class NoCheckpoint(StoreError):
     """The bucket holds no checkpoint where one was expected."""
+
+
+class CorruptCheckpoint(StoreError):
+    """An object of the checkpoint protocol is in the bucket but is not what the protocol
+    says (a LATEST or manifest that does not parse, unsafe paths, an unreadable trainer
+    state). The bucket answered, so retrying will not help: a reader skips that pointer
+    or version. A bucket that does not answer is a plain `StoreError`."""
 
 
 class ChecksumMismatch(StoreError):

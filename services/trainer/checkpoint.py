@@ -14,6 +14,14 @@ LATEST is the trainer's commit point. On start `find_resume_point` follows it; a
 version whose manifest is newer than the LATEST pointer itself and whose trainer state
 exists is the trainer's own commit interrupted between manifest and LATEST, and is
 finished first (an operator's rollback writes a newer pointer, so it is never undone).
+
+A bad checkpoint degrades, never kills: each candidate is verified (manifest, trainer
+state, every downloaded file's size and sha256) and one that fails is refused — reported in
+`ResumePoint.refused` — for the next lower version, down to the base model. A readable
+LATEST bounds the candidates (never resume past a rollback); an unreadable one is itself
+refused and every committed version is a candidate. Version numbers never repeat: the
+next one is above everything in the bucket, refused and half-uploaded versions included.
+A bucket that does not answer is no verdict on a version: that error stops the start.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 from services.trainer.model import export_state_dict, is_lora, save_hf_folder
 from services.trainer.step import Trainer
 from shared.checkpoints import (
+    all_versions,
     download_checkpoint,
     list_versions,
     manifest_key,
@@ -47,7 +56,7 @@ from shared.checkpoints import (
     trainer_state_prefix,
     version_dirname,
 )
-from shared.errors import ObjectNotFound, StoreError
+from shared.errors import ChecksumMismatch, CorruptCheckpoint, NoCheckpoint, ObjectNotFound
 from shared.schemas import CheckpointManifest, LatestPointer
 from shared.store import Bucket
 
@@ -157,86 +166,199 @@ def prune(bucket: Bucket, run: str, keep: int) -> None:
     prune_bucket(bucket, run, keep)
     kept = set(list_versions(bucket, run))
     newest = max(kept, default=0)
-    base = trainer_state_prefix(run)
-    stale = set()
-    for obj in bucket.list(base, recursive=True):
-        m = _VERSION_DIR.fullmatch(obj.key[len(base):].split("/", 1)[0])
-        if m and int(m.group(1)) not in kept and int(m.group(1)) < newest:
-            stale.add(int(m.group(1)))
+    stale = {v for v in state_versions(bucket, run) if v not in kept and v < newest}
     for v in sorted(stale):
-        bucket.delete_prefix(f"{base}{version_dirname(v)}/")
+        bucket.delete_prefix(f"{trainer_state_prefix(run)}{version_dirname(v)}/")
 
 
 # -- resume -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Refusal:
+    """A checkpoint passed over at resume, and why."""
+
+    version: int | None  # None: the LATEST pointer itself (unreadable, so it names no version)
+    reason: str  # "latest" | "manifest" (missing or invalid) | "checksum" | "state"
+    detail: str
+
+
 @dataclass
 class ResumePoint:
-    version: int  # 0: nothing published yet, start from the base model
+    version: int  # 0: nothing published yet (or nothing verifies), start from the base model
     step: int
     next_version: int
     consumed: list[str]
     model_dir: Path | None = None  # the committed version's HF folder (None: the base)
     tensors: dict[str, Any] | None = None  # optimizer, RNG, adapter (None: start fresh)
     manifest: CheckpointManifest | None = None
+    refused: list[Refusal] = field(default_factory=list)  # newer checkpoints that did not verify
+
+
+class _Unverified(Exception):
+    """A version that cannot be resumed from; `reason` as in `Refusal`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 def read_state_meta(bucket: Bucket, run: str, version: int) -> dict[str, Any] | None:
+    """The version's trainer-state record (step, consumed ids); None if it has none,
+    `CorruptCheckpoint` if it is there but unreadable."""
+    key = state_key(run, version, STATE_META)
     try:
-        meta: dict[str, Any] = bucket.get_json(state_key(run, version, STATE_META))
+        data = bucket.get_bytes(key)
     except ObjectNotFound:
         return None
+    try:
+        meta = json.loads(data)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{key} is not JSON: {exc}") from None
+    if not (isinstance(meta, dict) and isinstance(meta.get("step"), int)
+            and isinstance(meta.get("consumed_batch_ids"), list)):
+        raise CorruptCheckpoint(f"{key} is not a trainer-state record (step, consumed_batch_ids)")
     return meta
 
 
 def load_state_tensors(bucket: Bucket, run: str, version: int) -> dict[str, Any]:
-    data = bucket.get_bytes(state_key(run, version, STATE_TENSORS))
+    key = state_key(run, version, STATE_TENSORS)
     try:
-        tensors: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        data = bucket.get_bytes(key)
+    except ObjectNotFound:
+        raise CorruptCheckpoint(f"{key} is missing although its {STATE_META} is there") from None
+    try:
+        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise StoreError(f"trainer state of {run} v{version} cannot be read: {exc}") from exc
+        raise CorruptCheckpoint(f"trainer state of {run} v{version} cannot be read: {exc}") from exc
+    if not isinstance(tensors, dict):
+        raise CorruptCheckpoint(f"trainer state of {run} v{version} holds a {type(tensors).__name__}")
     return tensors
 
 
-def _finish_interrupted_commit(
-    bucket: Bucket, run: str, latest: LatestPointer | None, versions: list[int]
-) -> LatestPointer | None:
-    newer = [v for v in versions if latest is None or v > latest.version]
+def state_versions(bucket: Bucket, run: str) -> set[int]:
+    """Versions with anything under trainer-state/<run>/."""
+    base = trainer_state_prefix(run)
+    found = set()
+    for obj in bucket.list(base, recursive=True):
+        if m := _VERSION_DIR.fullmatch(obj.key[len(base):].split("/", 1)[0]):
+            found.add(int(m.group(1)))
+    return found
+
+
+def _read_pointer(bucket: Bucket, run: str) -> tuple[LatestPointer | None, list[Refusal]]:
+    """LATEST, or None and its refusal when it is there but unreadable."""
+    try:
+        return read_latest(bucket, run), []
+    except CorruptCheckpoint as exc:
+        return None, [Refusal(None, "latest", str(exc))]
+
+
+def _interrupted_commit(
+    bucket: Bucket, run: str, latest: LatestPointer | None, committed: list[int]
+) -> int | None:
+    """The trainer's own commit cut off between manifest and LATEST, if the newest version is one."""
+    newer = [v for v in committed if latest is None or v > latest.version]
     if not newer:
-        return latest
+        return None
     v = max(newer)
-    manifest = read_manifest(bucket, manifest_key(run, v))
+    try:
+        manifest = read_manifest(bucket, manifest_key(run, v))
+    except (NoCheckpoint, CorruptCheckpoint):
+        return None  # not a commit to finish; not a resume candidate either
     pointer_time = latest.committed_at if latest is not None else 0.0
-    if manifest.created_at > pointer_time and read_state_meta(bucket, run, v) is not None:
-        log.warning("finishing a commit interrupted before LATEST moved",
-                    extra={"run": run, "version": v})
-        return set_latest(bucket, run, v)
-    return latest
+    if manifest.created_at > pointer_time and bucket.exists(state_key(run, v, STATE_META)):
+        return v
+    return None
 
 
-def find_resume_point(bucket: Bucket, run: str, dest: Path, *, need_weights: bool = True) -> ResumePoint:
-    """Where training resumes: LATEST's weights, its trainer state, the next free version.
-
-    `need_weights` False (LoRA with a saved adapter) skips downloading the merged weights.
-    """
-    versions = list_versions(bucket, run)
-    latest = _finish_interrupted_commit(bucket, run, read_latest(bucket, run), versions)
-    top = max([*versions, latest.version if latest else 0, 0])
+def resume_candidates(
+    latest: LatestPointer | None, latest_unreadable: bool, committed: Sequence[int], interrupted: int | None
+) -> list[int]:
+    """Versions to try, in order. A readable LATEST bounds them (never past a rollback); an
+    unreadable one leaves every committed version; none at all, only an interrupted commit."""
+    first = [interrupted] if interrupted is not None else []
+    if latest_unreadable:
+        return sorted(committed, reverse=True)
     if latest is None:
-        return ResumePoint(version=0, step=0, next_version=top + 1, consumed=[])
-    manifest = read_manifest(bucket, latest.manifest)
-    meta = read_state_meta(bucket, run, latest.version)
-    tensors = load_state_tensors(bucket, run, latest.version) if meta is not None else None
+        return first
+    older = sorted((v for v in committed if v < latest.version), reverse=True)
+    return [*first, latest.version, *older]
+
+
+def _verified_manifest(bucket: Bucket, run: str, version: int) -> CheckpointManifest:
+    try:
+        manifest = read_manifest(bucket, manifest_key(run, version))
+    except (NoCheckpoint, CorruptCheckpoint) as exc:
+        raise _Unverified("manifest", str(exc)) from None
+    if (manifest.run, manifest.version) != (run, version):
+        raise _Unverified("manifest", f"{manifest_key(run, version)} describes run {manifest.run!r} "
+                                     f"v{manifest.version}")
+    return manifest
+
+
+def _verified_state(
+    bucket: Bucket, run: str, version: int
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    try:
+        meta = read_state_meta(bucket, run, version)
+        return meta, load_state_tensors(bucket, run, version) if meta is not None else None
+    except CorruptCheckpoint as exc:
+        raise _Unverified("state", str(exc)) from None
+
+
+def _verified_weights(bucket: Bucket, manifest: CheckpointManifest, dest: Path) -> Path:
+    try:
+        return download_checkpoint(bucket, manifest, dest)
+    except ChecksumMismatch as exc:
+        raise _Unverified("checksum", str(exc)) from None
+    except CorruptCheckpoint as exc:
+        raise _Unverified("manifest", str(exc)) from None
+
+
+def _open_version(bucket: Bucket, run: str, version: int, dest: Path, *, need_weights: bool) -> ResumePoint:
+    """One version's resume point, verified (`_Unverified` says why not). Its `next_version`
+    is left for the caller, who sees the whole bucket. The bucket not answering is not a
+    verdict on the version: that `StoreError` propagates."""
+    manifest = _verified_manifest(bucket, run, version)
+    meta, tensors = _verified_state(bucket, run, version)
     if meta is None:
-        log.warning("no trainer state for the latest version: optimizer starts fresh",
-                    extra={"run": run, "version": latest.version})
+        log.warning("no trainer state for this version: optimizer starts fresh",
+                    extra={"run": run, "version": version})
     model_dir = None
     if need_weights or tensors is None or tensors.get("adapter") is None:
-        model_dir = download_checkpoint(bucket, manifest, dest)
+        model_dir = _verified_weights(bucket, manifest, dest)
     return ResumePoint(
-        version=latest.version,
+        version=version,
         step=int(meta["step"]) if meta else manifest.step,
-        next_version=top + 1,
+        next_version=version + 1,
         consumed=list(meta["consumed_batch_ids"]) if meta else list(manifest.consumed_batch_ids),
         model_dir=model_dir,
         tensors=tensors,
         manifest=manifest,
     )
+
+
+def find_resume_point(bucket: Bucket, run: str, dest: Path, *, need_weights: bool = True) -> ResumePoint:
+    """Where training resumes: the newest version that verifies (weights, manifest, trainer
+    state), the versions refused on the way, and the next free version number.
+
+    `need_weights` False (LoRA with a saved adapter) skips downloading the merged weights,
+    so their checksums are not checked here (the watcher checks them before serving).
+    """
+    committed = list_versions(bucket, run)
+    latest, refused = _read_pointer(bucket, run)
+    unreadable = bool(refused)
+    taken = [*all_versions(bucket, run), *state_versions(bucket, run), latest.version if latest else 0]
+    next_version = max(taken, default=0) + 1
+    interrupted = None if unreadable else _interrupted_commit(bucket, run, latest, committed)
+    for v in resume_candidates(latest, unreadable, committed, interrupted):
+        try:
+            point = _open_version(bucket, run, v, dest, need_weights=need_weights)
+        except _Unverified as exc:
+            refused.append(Refusal(v, exc.reason, str(exc)))
+            continue
+        if v == interrupted:
+            log.warning("finishing a commit interrupted before LATEST moved", extra={"run": run, "version": v})
+            set_latest(bucket, run, v)
+        point.next_version, point.refused = next_version, refused
+        return point
+    return ResumePoint(version=0, step=0, next_version=next_version, consumed=[], refused=refused)

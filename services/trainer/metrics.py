@@ -34,6 +34,10 @@ REPLAYED = Counter(
 VERSION = Gauge("nextstate_trainer_version", "Newest committed version")
 COMMITS = Counter("nextstate_trainer_commits_total", "Versions committed to the bucket")
 COMMIT_FAILURES = Counter("nextstate_trainer_commit_failures_total", "Commit attempts that failed")
+REFUSED_VERSIONS = Counter(
+    "nextstate_trainer_refused_versions_total",
+    "Checkpoints passed over at resume because they did not verify", ["reason"],
+)
 PENDING_UPLOADS = Gauge("nextstate_trainer_pending_uploads", "Versions snapshotted, not yet committed")
 COMMIT_SECONDS = Histogram(
     "nextstate_trainer_commit_seconds", "Write + upload + commit of one version",

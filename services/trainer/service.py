@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import shutil
 import tempfile
@@ -45,7 +46,7 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.step import Trainer, TrainerBroken
 from shared import keys as K
 from shared.checkpoints import manifest_key
-from shared.consumer import Consumer, Delivery, stop_on_signals
+from shared.consumer import Consumer, Delivery, consumer_name, stop_on_signals
 from shared.errors import BusError, MalformedMessage, StoreError
 from shared.schemas import CheckpointManifest, CheckpointPublished, TrainBatch
 from shared.store import AsyncBucket
@@ -288,7 +289,8 @@ class Hooks:
 
 
 async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
-    """The process: ops endpoints, resume from the bucket, consume `batches` until SIGTERM."""
+    """The process: ops endpoints, resume from the bucket (reporting checkpoints refused on the
+    way), consume `batches` until SIGTERM."""
     import torch
 
     from services.trainer.build import build_trainer
@@ -318,6 +320,7 @@ async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
         resume = await bucket.run(
             find_resume_point, bucket.sync, settings.run, work_dir / "resume", need_weights=not cfg.lora
         )
+        await report_refusals(bus, resume)
         trainer = await asyncio.to_thread(build_trainer, cfg, resume)
         if hooks is not None:
             trainer = await asyncio.to_thread(hooks.prepare, trainer)
@@ -328,7 +331,7 @@ async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
                                  work_dir=work_dir, static_dir=static_dir)
         consumer = Consumer(
             bus, K.BATCHES, K.GROUP_TRAINER, TrainBatch, service.handle,
-            name=cfg.consumer_name or f"trainer-{settings.run}",
+            name=consumer_name(cfg.consumer_name or f"trainer-{settings.run}", "trainer"),
             concurrency=cfg.consumer_concurrency,
         )
         if hooks is None:
@@ -342,6 +345,28 @@ async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
         await service.run(consumer)
         if service.failed is not None:
             raise service.failed
+
+
+async def report_refusals(bus: Bus, resume: ResumePoint) -> None:
+    """Each checkpoint refused at resume: an error log, a metric, and a `refused_versions`
+    record for the operator (best effort: training goes on without Redis)."""
+    now = time.time()
+    origin = f"v{resume.version}" if resume.version else "the base model"
+    records: dict[str, str] = {}
+    for r in resume.refused:
+        name = "LATEST" if r.version is None else str(r.version)
+        M.REFUSED_VERSIONS.labels(r.reason).inc()
+        log.error("refused %s (%s); training resumes from %s",
+                  "the LATEST pointer" if r.version is None else f"v{r.version}", r.reason, origin,
+                  extra={"version": name, "reason": r.reason, "detail": r.detail[:500],
+                         "resumed_from": resume.version})
+        records[name] = json.dumps({"by": "trainer", "reason": r.reason, "detail": r.detail[:2000], "at": now})
+    if not records:
+        return
+    try:
+        await bus.redis.hset(bus.keys.refused_versions, mapping=records)
+    except RedisError as exc:
+        log.warning("could not record refused versions", extra={"error": str(exc)})
 
 
 async def _stop_when(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shared.checkpoints import (
+    all_versions,
     download_checkpoint,
     latest_key,
     list_versions,
@@ -22,7 +23,7 @@ from shared.checkpoints import (
     set_latest,
     version_prefix,
 )
-from shared.errors import ChecksumMismatch, NoCheckpoint, StoreError
+from shared.errors import ChecksumMismatch, CorruptCheckpoint, NoCheckpoint, StoreError
 from shared.schemas import CheckpointFile
 from shared.settings import Settings
 from shared.store import Bucket, MiB
@@ -182,8 +183,23 @@ def test_set_latest_rollback_and_refusal(bucket: Bucket, run: str, tmp_path: Pat
     assert ptr.manifest == manifest_key(run, 1)
 
     bucket.put_bytes(latest_key(run), b'{"version": "nope"}')
-    with pytest.raises(StoreError, match="LATEST"):
+    with pytest.raises(CorruptCheckpoint, match="LATEST"):
         read_latest(bucket, run)
+
+
+def test_publish_replaces_an_unreadable_latest(bucket: Bucket, run: str, tmp_path: Path) -> None:
+    publish_checkpoint(bucket, run, 1, make_checkpoint(tmp_path / "v1", seed=1))
+    bucket.put_bytes(version_prefix(run, 3) + "config.json", b"{}")  # a half-uploaded version
+    assert (list_versions(bucket, run), all_versions(bucket, run)) == ([1], [1, 3])
+    bucket.put_bytes(latest_key(run), b"\xff\xfe garbage")
+
+    m = publish_checkpoint(bucket, run, 4, make_checkpoint(tmp_path / "v4", seed=4))
+    latest = read_latest(bucket, run)
+    assert latest is not None and (latest.version, latest.manifest) == (4, manifest_key(run, 4))
+    assert read_manifest(bucket, latest.manifest) == m
+    # A valid LATEST at a newer version still wins.
+    publish_checkpoint(bucket, run, 2, make_checkpoint(tmp_path / "v2", seed=2))
+    assert read_latest(bucket, run).version == 4  # type: ignore[union-attr]
 
 
 def test_prune_bucket_keeps_newest_and_latest(bucket: Bucket, run: str, tmp_path: Path) -> None:

@@ -209,21 +209,22 @@ def test_versions_announcements_and_crash_replay(
         sigkill(a)
         assert h.latest() == 2 and h.pending() == 1
 
-        # -- B replays batch 3 into v3; killed after LATEST moved, before the ack --------------
+        # -- B replays batch 3 into v4 (v3 is half-uploaded: never reused); killed after LATEST
+        #    moved, before the ack ------------------------------------------------------------
         proxy.hold(rb"PUT /[^ ]*/LATEST ")
         b = h.start()
         procs.append(b)
         assert proxy.held.wait(60), b.logs()
-        h.wait_latest(3, b)
+        h.wait_latest(4, b)
         sigkill(b)
         assert h.pending() == 1
 
-        # -- C: batch 3 is already in v3 (acked untrained); batch 4 makes v4 --------------------
+        # -- C: batch 3 is already in v4 (acked untrained); batch 4 makes v5 --------------------
         c = h.start()
         procs.append(c)
         wait_until(lambda: h.pending() == 0, 30, f"replayed batch acked\n{c.logs()}")
         h.publish(batch(4, h.run))
-        h.wait_latest(4, c)
+        h.wait_latest(5, c)
         wait_until(lambda: h.pending() == 0, 30, "batch 4 acked")
         metrics = httpx.get(f"http://127.0.0.1:{h.port}/metrics", timeout=5).text
         assert "nextstate_trainer_replayed_batches_total 1.0" in metrics
@@ -235,17 +236,17 @@ def test_versions_announcements_and_crash_replay(
                 sigkill(p)
 
     try:
-        assert list_versions(h.bucket, h.run) == [1, 2, 3, 4]
-        manifests = [read_manifest(h.bucket, manifest_key(h.run, v)) for v in (1, 2, 3, 4)]
+        assert list_versions(h.bucket, h.run) == [1, 2, 4, 5]
+        manifests = [read_manifest(h.bucket, manifest_key(h.run, v)) for v in (1, 2, 4, 5)]
         assert [m.consumed_batch_ids for m in manifests] == [["batch-1"], ["batch-2"], ["batch-3"], ["batch-4"]]
         assert [m.step for m in manifests] == [1, 2, 3, 4]
         assert all(m.metrics["staleness"] >= 0 and "grad_norm" in m.metrics for m in manifests)
         # The optimizer carried over every restart: Adam has taken 4 steps, not 1 or 2.
-        raw = h.bucket.get_bytes(state_key(h.run, 4, STATE_TENSORS))
+        raw = h.bucket.get_bytes(state_key(h.run, 5, STATE_TENSORS))
         state = torch.load(io.BytesIO(raw), weights_only=True)
         steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
         assert steps == {4.0}
-        assert h.redis.get(h.keys.trainer_version) == "4"
+        assert h.redis.get(h.keys.trainer_version) == "5"
     finally:
         h.close()
 
