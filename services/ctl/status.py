@@ -53,12 +53,17 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "policy_version": None if serving is None else int(serving),
         "trainer_version": None if trained is None else int(trained),
         "watcher": watcher or None,
-        "refused_versions": {int(v): _json(r) for v, r in refused.items()},
+        "refused_versions": {v: _json(r) for v, r in sorted(refused.items(), key=_version_order)},
         "services": {name: _json(r) for name, r in sorted(services.items())},
         "buffer": {"decisions": {k: int(v) for k, v in sorted(counts.items())},
                    "final_turns_waiting": int(parked)},
         "turns_waiting_next_state": int(waiting),
     }
+
+
+def _version_order(item: tuple[str, Any]) -> tuple[int, str]:
+    """Numbered versions in order, then named records (`LATEST`: the pointer itself)."""
+    return (int(item[0]), "") if item[0].isdigit() else (1 << 62, item[0])
 
 
 def _json(raw: str) -> Any:
@@ -108,8 +113,9 @@ def render_versions(snap: dict[str, Any]) -> list[str]:
     if w and w.get("mismatch") == "1":
         lines.append(f"  MISMATCH: the engine serves {_v(w.get('engine_version'))}, should serve "
                      f"{_v(w.get('target_version'))}" + (f" ({w['error']})" if w.get("error") else ""))
-    for version, r in sorted(snap.get("refused_versions", {}).items()):
-        lines.append(f"  refused v{version} by {r.get('by', '?')}: {r.get('reason', '?')} "
+    for version, r in snap.get("refused_versions", {}).items():
+        name = f"v{version}" if str(version).isdigit() else str(version)
+        lines.append(f"  refused {name} by {r.get('by', '?')}: {r.get('reason', '?')} "
                      f"{str(r.get('detail', ''))[:120]}")
     return lines
 
