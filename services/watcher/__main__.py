@@ -1,4 +1,4 @@
-"""`python -m services.watcher`: poll the bucket, verify, hot-reload the engine."""
+"""`python -m services.watcher`: reconcile the engine with the bucket's policy, on a timer."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ async def run(settings: WatcherSettings) -> None:
             if not await engine.health():
                 raise RuntimeError("engine /health failed")
 
-        checks = {"redis": bus.ping, "bucket": bucket.ping, "engine": engine_ok}
+        # "policy": the engine serves what it should (fails once a pass could not fix that).
+        checks = {"redis": bus.ping, "bucket": bucket.ping, "engine": engine_ok,
+                  "policy": watcher.check_serving}
         ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks))
         log.info("watching", extra={"run": settings.run, "engine": cfg.engine_url,
                                     "every_s": cfg.poll_interval_s})

@@ -13,6 +13,7 @@ from shared.settings import Settings
 class WatcherConfig(BaseModel):
     engine_url: str = "http://127.0.0.1:30000"
     engine_kind: Literal["sglang", "vllm"] = "sglang"
+    # Each poll reads LATEST *and* asks the engine what it serves, reloading on any mismatch.
     poll_interval_s: float = Field(2.0, gt=0)
     # Where verified versions are installed (`<local_dir>/v000042`), and the same folder
     # as the engine sees it when they mount it at different paths (docker volumes).

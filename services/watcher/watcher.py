@@ -1,12 +1,23 @@
-"""Follow `policies/<run>/LATEST` and hot-reload the engine with each new version.
+"""Keep the engine serving the policy it should: reconcile on a timer, not only on LATEST.
 
-One pass (`Watcher.sync_once`): read LATEST; if it names a version other than the one
-the engine serves, download it into a staging folder, verify every sha256 against the
-manifest, rename it into place, ask the engine to `/update_weights_from_disk` with
-`weight_version = str(version)`, confirm through `/model_info`, then record the serving
-version in Redis and announce `PolicyLoaded` on the `policy` stream. A version that
-fails verification or loading is refused and remembered for a while; the engine keeps
-serving what it has. LATEST moving backwards (`nextstate rollback`) is followed too.
+One pass (`Watcher.sync_once`), every `poll_interval_s`:
+1. Read `policies/<run>/LATEST` (an unreadable one is noted, not fatal) and ask the engine
+   what it really serves (`weight_version`). An unreachable engine is noted and the pass
+   ends; the next one retries.
+2. Choose the target (target.py): LATEST's version when it verifies and loads, else the
+   last good version this process knows (at start: what the engine serves), else the
+   newest committed version below LATEST's that verifies. Refused versions wait
+   `retry_bad_after_s`.
+3. Whenever the engine serves something else — a new LATEST, a rollback, an engine that
+   restarted on its base weights, a lost reload, weights someone else loaded — install the
+   version (a complete local copy is used as is, without the bucket; otherwise download
+   into staging, check every sha256, rename), `/update_weights_from_disk` with
+   `weight_version = str(version)`, and confirm through `/model_info`. A version failing
+   any step is refused and the next choice tried; the engine keeps its weights meanwhile.
+4. Report (report.py): the `watcher-state` hash, `policy-version` = what the engine
+   actually serves, metrics, `refused-versions`, and a `PolicyLoaded` on the `policy`
+   stream for each load, with its cause (`new_version` or `reconcile`). `check_serving`
+   (in /readyz) fails while a mismatch outlives a pass's reload attempts.
 """
 
 from __future__ import annotations
@@ -16,28 +27,45 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from prometheus_client import Counter, Gauge, Histogram
+from pydantic import ValidationError
 
+from services.watcher.report import (
+    DOWNLOAD_SECONDS,
+    LOAD_SECONDS,
+    RELOADS,
+    SYNC_SECONDS,
+    WatcherState,
+    publish_state,
+    record_refusal,
+)
 from services.watcher.settings import WatcherConfig, WatcherSettings
+from services.watcher.target import Latest, Refusals, fallbacks, first_choices, policy_version
 from shared import checkpoints as ckpt
 from shared.engine_client import EngineClient
-from shared.errors import ChecksumMismatch, EngineError, StoreError
-from shared.schemas import PolicyLoaded
-from shared.store import AsyncBucket
+from shared.errors import BusError, ChecksumMismatch, EngineError, NextstateError, StoreError
+from shared.schemas import CheckpointManifest, PolicyLoaded
+from shared.store import AsyncBucket, Bucket
 from shared.streams import Bus
 
 log = logging.getLogger(__name__)
 
-SERVING = Gauge("nextstate_watcher_policy_version", "Policy version the engine serves")
-RELOADS = Counter("nextstate_watcher_reloads_total", "Versions loaded into the engine")
-REFUSED = Counter("nextstate_watcher_refused_total", "Versions refused", ["reason"])
-SYNC_SECONDS = Histogram(
-    "nextstate_watcher_sync_seconds", "LATEST commit to the engine serving it",
-    buckets=(0.5, 1, 2, 3, 5, 8, 13, 21, 34, 60, 120, 300),
-)
-DOWNLOAD_SECONDS = Histogram("nextstate_watcher_download_seconds", "Download and verify time")
-LOAD_SECONDS = Histogram("nextstate_watcher_load_seconds", "Engine weight swap time")
+Cause = Literal["new_version", "reconcile"]
+
+
+def install(bucket: Bucket, root: Path, run: str, version: int, manifest_key: str) -> Path:
+    """(blocking) The verified folder of `version` under `root`: a complete local copy is
+    returned at once (no bucket needed); otherwise it is downloaded and every sha256 checked."""
+    try:
+        manifest = CheckpointManifest.model_validate_json(
+            (root / ckpt.version_dirname(version) / ckpt.MANIFEST).read_bytes())
+    except (OSError, ValidationError):
+        manifest = ckpt.read_manifest(bucket, manifest_key)
+    if (manifest.run, manifest.version) != (run, version):
+        raise StoreError(f"{manifest_key} describes {manifest.run} v{manifest.version}, "
+                         f"not {run} v{version}")
+    return ckpt.download_checkpoint(bucket, manifest, root)
 
 
 @dataclass
@@ -46,96 +74,191 @@ class Watcher:
     bucket: AsyncBucket
     engine: EngineClient
     bus: Bus
-    serving: int | None = None
-    _refused: dict[int, float] = field(default_factory=dict)
+    good: int | None = None  # the last version seen verified and served: kept when LATEST fails
+    state: WatcherState = field(init=False)
+    refusals: Refusals = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = WatcherState(engine=self.cfg.engine_url)
+        self.refusals = Refusals(self.cfg.retry_bad_after_s)
 
     @property
     def cfg(self) -> WatcherConfig:
         return self.settings.watcher
 
-    async def discover_serving(self) -> None:
-        """What the engine serves now (a numeric weight_version is a policy version)."""
-        wv = await self.engine.weight_version()
-        self.serving = int(wv) if wv.isdigit() else None
-        if self.serving is not None:
-            SERVING.set(self.serving)
+    async def check_serving(self) -> None:
+        """Readiness: fails while the engine serves other than its target after a pass tried."""
+        if problem := self.state.problem():
+            raise RuntimeError(problem)
 
+    def _note(self, error: str) -> None:
+        self.state.errors.append(error)
+
+    # -- the pass --------------------------------------------------------------------------
+    async def sync_once(self) -> PolicyLoaded | None:
+        """One reconciliation pass. Returns the announcement when it loaded a version."""
+        before, self.state.errors = self.state.errors, []
+        latest = await self._read_latest()
+        event = None
+        try:
+            if await self._observe():
+                event = await self._reconcile(latest)
+        except EngineError as exc:
+            self._note(f"engine failed mid-reload: {exc}")
+            self.state.observe(None)  # its weights are unknown until the next pass asks
+        except (StoreError, OSError) as exc:
+            self._note(f"{type(exc).__name__}: {exc}")
+        self.state.unfixed = self.state.mismatch
+        self._log_change(before)
+        await publish_state(self.bus, self.state)
+        return event
+
+    def _log_change(self, before: list[str]) -> None:
+        """Log a pass's errors when they differ from the last pass's (not every poll)."""
+        extra = {"engine_version": self.state.observed, "target": self.state.target}
+        if self.state.errors and self.state.errors != before:
+            log.warning("watch pass: %s", "; ".join(self.state.errors)[:1000], extra=extra)
+        elif before and not self.state.errors:
+            log.info("watch pass clean again", extra=extra)
+
+    async def _read_latest(self) -> Latest:
+        try:
+            pointer = await self.bucket.run(ckpt.read_latest, self.bucket.sync, self.settings.run)
+        except StoreError as exc:
+            self._note(f"LATEST unreadable, keeping the last good version: {exc}")
+            latest = Latest(unreadable=str(exc))
+        else:
+            latest = Latest(pointer=pointer)
+        self.state.latest = latest.version
+        return latest
+
+    async def _observe(self) -> bool:
+        """Ask the engine what it serves; False (noted) when it cannot be reached."""
+        try:
+            served = await self.engine.weight_version()
+        except EngineError as exc:
+            self.state.observe(None)
+            self._note(f"engine unreachable: {exc}")
+            return False
+        self.state.observe(served)
+        if self.good is None:  # a fresh watcher: what the engine serves is the last good version
+            self.good = policy_version(served)
+        return True
+
+    async def _reconcile(self, latest: Latest) -> PolicyLoaded | None:
+        """Make the engine serve the best version that verifies and loads."""
+        previous = self.state.target
+        now = time.monotonic()
+        if latest.version is not None and (why := self.refusals.why(latest.version, now)):
+            self._note(f"LATEST v{latest.version} was refused ({why})")
+        order = first_choices(latest.version, self.good, self.refusals.recent(now))
+        served, event = await self._serve_first(order, latest)
+        if served is None and latest.published:
+            listed = await self.bucket.run(ckpt.list_versions, self.bucket.sync, self.settings.run)
+            skip = self.refusals.recent(time.monotonic()) | set(order)
+            more = fallbacks(listed, latest.version, skip)
+            served, event = await self._serve_first(more, latest)
+            order += more
+        self.state.target = served if served is not None else (order[0] if order else previous)
+        return event
+
+    async def _serve_first(self, order: list[int], latest: Latest) -> tuple[int | None, PolicyLoaded | None]:
+        """The first version of `order` the engine serves, loading it if need be, and the
+        announcement if a load happened; (None, None) when none would verify and load."""
+        for version in order:
+            self.state.target = version
+            if self.state.observed == str(version):
+                self.good = version
+                return version, None
+            await publish_state(self.bus, self.state)  # shows the mismatch while it is fixed
+            event = await self._load(version, latest)
+            if event is not None:
+                return version, event
+        return None, None
+
+    # -- one load --------------------------------------------------------------------------
     def _engine_path(self, folder: Path) -> str:
         """The installed folder as the engine sees it."""
         if self.cfg.engine_dir:
             return f"{self.cfg.engine_dir.rstrip('/')}/{folder.name}"
         return str(folder.resolve())
 
-    async def sync_once(self) -> PolicyLoaded | None:
-        """One poll. Returns the announcement when a new version was loaded."""
+    async def _install(self, version: int, latest: Latest) -> Path | None:
+        """The verified local folder of `version`; None (refused) if it does not verify."""
         run = self.settings.run
-        pointer = await self.bucket.run(ckpt.read_latest, self.bucket.sync, run)
-        if pointer is None or pointer.version == self.serving:
-            return None
-        version = pointer.version
-        refused_at = self._refused.get(version)
-        if refused_at is not None and time.monotonic() - refused_at < self.cfg.retry_bad_after_s:
-            return None
-        started = time.monotonic()
+        key = latest.pointer.manifest if latest.pointer and latest.version == version \
+            else ckpt.manifest_key(run, version)
         try:
-            manifest = await self.bucket.run(ckpt.read_manifest, self.bucket.sync, pointer.manifest)
-            folder = await self.bucket.run(
-                ckpt.download_checkpoint, self.bucket.sync, manifest, self.cfg.local_dir
-            )
+            return await self.bucket.run(install, self.bucket.sync, self.cfg.local_dir, run, version, key)
         except ChecksumMismatch as exc:
-            self._refuse(version, "checksum", str(exc))
-            return None
+            await self._refuse(version, "checksum", str(exc))
         except StoreError as exc:
-            self._refuse(version, "download", str(exc))
+            await self._refuse(version, "download", str(exc))
+        return None
+
+    async def _load(self, version: int, latest: Latest) -> PolicyLoaded | None:
+        """Install, load and confirm `version`; None (refused and recorded) if any step fails."""
+        cause: Cause = "reconcile" if version == self.good else "new_version"
+        started = time.monotonic()
+        folder = await self._install(version, latest)
+        if folder is None:
             return None
         downloaded = time.monotonic()
-        DOWNLOAD_SECONDS.observe(downloaded - started)
         ok, message = await self.engine.update_weights(
             self._engine_path(folder), str(version), abort_all_requests=self.cfg.abort_requests
         )
-        if not ok:
-            self._refuse(version, "engine", message)
-            return None
         served = await self.engine.weight_version()
+        self.state.observe(served)
+        if not ok:
+            await self._refuse(version, "engine", message)
+            return None
         if served != str(version):
-            self._refuse(version, "confirm", f"engine reports weight_version {served!r} after loading {version}")
+            await self._refuse(version, "confirm",
+                               f"engine reports weight_version {served!r} after loading {version}")
             return None
         loaded = time.monotonic()
+        DOWNLOAD_SECONDS.observe(downloaded - started)
         LOAD_SECONDS.observe(loaded - downloaded)
-        sync_s = max(0.0, time.time() - pointer.committed_at)
-        SYNC_SECONDS.observe(sync_s)
-        self.serving = version
-        self._refused.pop(version, None)
-        SERVING.set(version)
-        RELOADS.inc()
-        await self.bus.redis.set(self.bus.keys.policy_version, version)
+        self.good = version
+        self.refusals.clear(version)
+        return await self._announce(version, cause, latest, downloaded - started, loaded - downloaded)
+
+    async def _refuse(self, version: int, reason: str, detail: str) -> None:
+        self.refusals.add(version, reason, time.monotonic())
+        self._note(f"v{version} refused ({reason}): {detail[:500]}")
+        log.error("version refused; the engine keeps serving its current weights",
+                  extra={"version": version, "reason": reason, "detail": detail[:500],
+                         "engine_version": self.state.observed})
+        await record_refusal(self.bus, version, reason, detail)
+
+    async def _announce(
+        self, version: int, cause: Cause, latest: Latest, download_s: float, load_s: float
+    ) -> PolicyLoaded:
+        sync_s = None
+        if cause == "new_version" and latest.pointer is not None and latest.version == version:
+            sync_s = max(0.0, time.time() - latest.pointer.committed_at)
+            SYNC_SECONDS.observe(sync_s)
+        RELOADS.labels(cause).inc()
         event = PolicyLoaded(
-            run=run, version=version, weight_version=str(version), engine=self.cfg.engine_url,
-            download_s=round(downloaded - started, 3), load_s=round(loaded - downloaded, 3),
-            sync_s=round(sync_s, 3),
+            run=self.settings.run, version=version, weight_version=str(version),
+            engine=self.cfg.engine_url, download_s=round(download_s, 3), load_s=round(load_s, 3),
+            sync_s=None if sync_s is None else round(sync_s, 3), cause=cause,
         )
-        await self.bus.publish("policy", event)
-        log.info("policy loaded", extra={"version": version, "download_s": event.download_s,
+        try:
+            await self.bus.publish("policy", event)
+        except BusError as exc:
+            log.warning("could not announce the loaded policy", extra={"error": str(exc)})
+        log.info("policy loaded", extra={"version": version, "cause": cause, "download_s": event.download_s,
                                          "load_s": event.load_s, "sync_s": event.sync_s})
         await self.bucket.run(ckpt.prune_local, self.cfg.local_dir, self.cfg.keep_local, protect=[version])
         return event
 
-    def _refuse(self, version: int, reason: str, detail: str) -> None:
-        REFUSED.labels(reason).inc()
-        self._refused[version] = time.monotonic()
-        log.error("version refused; the engine keeps serving its current weights",
-                  extra={"version": version, "reason": reason, "detail": detail[:500],
-                         "serving": self.serving})
-
     async def run_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                if self.serving is None:
-                    await self.discover_serving()
                 await self.sync_once()
-            except (EngineError, StoreError, OSError) as exc:
+            except (NextstateError, OSError) as exc:  # a pass notes its own errors; this is a guard
                 log.warning("watch pass failed, retrying", extra={"error": f"{type(exc).__name__}: {exc}"})
-                self.serving = None  # re-discover: the engine may have restarted on other weights
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.poll_interval_s)
             except asyncio.TimeoutError:
