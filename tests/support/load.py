@@ -29,7 +29,8 @@ class Served:
     index: int  # the turn's position in its session
     completion_id: str
     weight_version: str
-    at: float
+    started: float  # when the (successful) attempt was sent
+    at: float  # when its response was received
 
 
 @dataclass
@@ -62,9 +63,9 @@ class Load:
             await self._client.close()
 
     async def served_since(self, t: float, n: int = 1) -> float:
-        """Wait for `n` responses received after time `t`; return when the first arrived."""
+        """Wait for `n` requests sent after time `t` to be answered; return when the first was."""
         while True:
-            after = [s.at for s in self.served if s.at > t]
+            after = [s.at for s in self.served if s.started > t]
             if len(after) >= n:
                 return min(after)
             await asyncio.sleep(0.02)
@@ -88,6 +89,7 @@ class Load:
         headers = {"X-Session-Id": sid, **({"X-Session-Done": "1"} if done else {})}
         delay = 0.1
         while True:
+            started = time.time()
             try:
                 raw = await self._client.chat.completions.with_raw_response.create(
                     model="policy", messages=messages, max_tokens=self.max_tokens,  # type: ignore[arg-type]
@@ -101,6 +103,6 @@ class Load:
                 continue
             now = time.time()
             self.last_ok = now
-            self.served.append(Served(sid, k, resp.id, raw.headers.get("x-policy-version", ""), now))
+            self.served.append(Served(sid, k, resp.id, raw.headers.get("x-policy-version", ""), started, now))
             content = resp.choices[0].message.content or ""
             return {"role": "assistant", "content": content}
