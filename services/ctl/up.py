@@ -17,6 +17,9 @@ and binding it moves that service to another port before anything depends on it.
 Every consumer has a stable name, so a restarted one takes back its own pending entries
 at once: `judge-<i>`, `buffer`, and the trainer's default `trainer-<run>`.
 
+Secrets a stack generates (credentials the CLI needs to talk to it) go to
+`<home>/up/<run>/secrets.json`, readable by its owner only (`Stack.add_secrets`).
+
 The stack record `<home>/up/<run>/stack.json` says what runs where, for the CLI: `pid`
 (of `up`), `started_at`, `run`, `prefix`, `redis_url` (password hidden), `bucket`
 (`endpoint`, `name`), `collector` (the OpenAI base URL), `engine`, and `services`
@@ -132,6 +135,8 @@ class Stack:
         self.settings = settings
         self.root = (args.home or home()) / "up" / settings.run
         self.record_path = self.root / "stack.json"
+        self.secrets_path = self.root / "secrets.json"
+        self.secrets: dict[str, str] = {}
         self.sup = sup or Supervisor()
         self.sup.on_change = self._changed
         self.env: dict[str, str] = {"NEXTSTATE_RUN": settings.run}
@@ -327,6 +332,16 @@ class Stack:
             self.sup.say("up", f"cannot write the stack record {self.record_path}: {exc}", LOUD)
             return
         self._recorded = (rec["services"], stopped)
+
+    def add_secrets(self, **values: str) -> None:
+        """Record credentials of this stack for the CLI in secrets.json (mode 0600, whole)."""
+        self.secrets.update(values)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.secrets_path.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.secrets, f, indent=2)
+        os.replace(tmp, self.secrets_path)
 
     def _changed(self, _: Proc) -> None:
         if (self.record()["services"], False) != self._recorded:
