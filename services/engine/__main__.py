@@ -37,12 +37,12 @@ def parse_args(argv: list[str] | None) -> dict[str, Any]:
 
 
 async def run(settings: EngineSettings) -> None:
-    import torch
     import uvicorn
 
     from services.engine.app import build_app
     from services.engine.engine import Engine
     from services.engine.model import load_model, load_tokenizer, resolve_device
+    from shared.cpus import torch_threads
 
     class Server(uvicorn.Server):
         """uvicorn without its own signal capture (which re-raises SIGTERM on exit)."""
@@ -52,8 +52,7 @@ async def run(settings: EngineSettings) -> None:
             yield
 
     cfg = settings.engine
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads = torch_threads(cfg.threads)
     device = resolve_device(cfg.device)
     model = await asyncio.to_thread(load_model, cfg.model, device, cfg.dtype)
     tokenizer_path = cfg.tokenizer or cfg.model
@@ -86,7 +85,7 @@ async def run(settings: EngineSettings) -> None:
     log.info(
         "serving",
         extra={"model": cfg.model, "device": str(device), "host": cfg.host, "port": cfg.port,
-               "weight_version": cfg.weight_version},
+               "weight_version": cfg.weight_version, "threads": threads},
     )  # fmt: skip
     await server.serve()
     log.info("stopped")

@@ -8,6 +8,8 @@
     NEXTSTATE_ENGINE__MAX_RUNNING=16           requests generating at once (decode steps batched)
     NEXTSTATE_ENGINE__BATCH_DECODE=true        false: each request steps alone (bit-exact under load)
     NEXTSTATE_ENGINE__MAX_QUEUE=256            requests waiting beyond those; more are refused with 503
+    NEXTSTATE_ENGINE__THREADS=                 torch threads (default: half the CPUs it may use, at least 1;
+                                               shared/cpus.py says why)
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class EngineGroup(BaseModel):
     batch_decode: bool = Field(True, description="one forward pass per decode step for all running requests")
     default_max_new_tokens: int = Field(128, ge=0, description="as SGLang, when a request sets none")
     context_length: int | None = Field(None, ge=2, description="default: the model config's")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (default: half the CPUs it may use, at least 1)")
     health_timeout_s: float = Field(20.0, gt=0, description="/health_generate gives up after this")
     shutdown_grace_s: float = Field(10.0, ge=0)
 

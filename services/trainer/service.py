@@ -291,14 +291,12 @@ class Hooks:
 async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
     """The process: ops endpoints, resume from the bucket (reporting checkpoints refused on the
     way), consume `batches` until SIGTERM."""
-    import torch
-
     from services.trainer.build import build_trainer
     from services.trainer.model import write_tokenizer
+    from shared.cpus import torch_threads
 
     cfg = settings.trainer
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch_threads(cfg.threads)
     own_dir = cfg.work_dir is None
     work_dir = Path(cfg.work_dir or tempfile.mkdtemp(prefix="nextstate-trainer-"))
     await asyncio.to_thread(work_dir.mkdir, parents=True, exist_ok=True)

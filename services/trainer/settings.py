@@ -68,7 +68,8 @@ class TrainerConfig(BaseModel):
     # -- process -----------------------------------------------------------------------------------
     device: str = "auto"
     dtype: Dtype = "auto"
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (default: half the CPUs it may use, at least 1)")
     seed: int = 0
     work_dir: str | None = Field(None, description="local scratch for snapshots (default: a temp dir)")
     consumer_name: str | None = Field(None, description="default trainer-<run>: one trainer per run")
