@@ -2,17 +2,21 @@
 
 Per request (DESIGN.md "Pairing a turn with its next state"):
 
-1. `begin` — before the engine call, one Redis round trip: GETDEL the pending turn of
+1. `begin` — before the engine call, one Redis round trip: close the pending turn of
    every prefix of the request that ends on an assistant message (see pairing.py) and
-   GET the lineage of the last one. Each pending turn found is closed: its next state
-   is what follows it in this request, and it is emitted in the background. The latest
+   GET the lineage of the last one. Closing a turn emits it in the same atomic script
+   (pending_store.py): its next state is what follows it in this request. The latest
    one's PromptCache makes tokenization incremental; its session id and turn index
    carry over to the new turn (the lineage does so for a branch whose parent was closed).
-2. `finish` — after the response is built, the new turn is stored as pending (bounded
-   by the Redis timeout, so the client's follow-up cannot outrun it), or emitted at
-   once with no next state when the request said `X-Session-Done: 1`.
-3. A sweeper emits pending turns past their deadline with no next state (closed_by
-   ttl); GETDEL makes it safe to run on every replica.
+2. `finish` — after the response is built and before it is returned, the new turn is
+   stored as pending (bounded by the Redis timeout, so the client's follow-up cannot
+   outrun it), or emitted with no next state when the request said `X-Session-Done: 1`.
+3. A sweeper closes and emits pending turns past their deadline with no next state
+   (closed_by ttl), with the same script, so it is safe on every replica.
+
+No turn a client received is ever only in this process's memory: it is in Redis
+(pending, or on `turns`) or in the spool file before the response goes out, so a
+SIGKILL at any moment loses none (tests/faults).
 
 Two Redis clients: the request path's (lookup, pending write) fails within
 `redis_timeout_s`; background work (publishing turns, sweeping, replaying the spool)
@@ -101,8 +105,13 @@ def make_record(turn: Turn, cache: PromptCache, deadline: float) -> tuple[str, s
         {"deadline": deadline, "session_id": turn.session_id, "turn_index": turn.turn_index},
         separators=(",", ":"),
     )
-    body = turn.model_dump_json(exclude={"prompt_ids"})
+    # Closing appends these three (pending_store.py); the ids are the cache's.
+    body = turn.model_dump_json(exclude={"prompt_ids", "next_state", "closed_by"})
     return f"{header}\n{cache.to_json()}\n{body}", header
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def closed_turn(
@@ -124,8 +133,9 @@ class Capture:
         self.cfg = cfg
         self.bus = bus
         self.spool = spool
-        self.fast = PendingStore(fast, bus.keys, cfg.pending_ttl_s)
-        self.store = PendingStore(bus.redis, bus.keys, cfg.pending_ttl_s)
+        bound = bus.streams.maxlen
+        self.fast = PendingStore(fast, bus.keys, cfg.pending_ttl_s, bound)
+        self.store = PendingStore(bus.redis, bus.keys, cfg.pending_ttl_s, bound)
         self.timeout = cfg.redis_timeout_s
         self.slow_timeout = cfg.redis_background_timeout_s
         self._strikes = 0
@@ -143,13 +153,19 @@ class Capture:
         if not cands:
             return Lookup()
         keys = [c.key for c in cands]
+        states = [next_state(messages, c.end) for c in cands]
         records: list[str | None] = [None] * len(keys)
         lineage: str | None = None
         if self.state is not State.DOWN:
             try:
                 async with asyncio.timeout(self.timeout):
-                    records, lineage = await self.fast.lookup(keys, keys[-1])
+                    records, lineage, shed = await self.fast.lookup(
+                        keys, keys[-1], [_dumps(st) for st in states])
                 self._strikes = 0
+                emitted = sum(1 for r in records if r is not None)
+                M.TURNS.labels("next_request").inc(emitted)
+                if shed:
+                    M.SHED.labels("stream_bound").inc(shed)
             except FAILURES as exc:
                 self._failed(exc)
         if self._local:
@@ -158,19 +174,18 @@ class Capture:
                 if held is not None:
                     records[i] = held.record
                     self._closed_locally(k)
+                    self._spool_turn(closed_turn(held.record, "next_request", states[i]), "next_request")
                     if i == len(keys) - 1 and lineage is None:
                         lineage = held.lineage
             M.FALLBACK_PENDING.set(len(self._local))
-        found = [(c, r) for c, r in zip(cands, records, strict=True) if r is not None]
+        found = [r for r in records if r is not None]
         if not found and lineage is None:
             return Lookup()
         cache: PromptCache | None = None
         if found:
-            latest = found[-1][1]
-            header, cache_json, _ = latest.split("\n", 2)
+            header, cache_json, _ = found[-1].split("\n", 2)
             cache = PromptCache.from_json(cache_json)
             info = json.loads(lineage or header)
-            self._spawn(self._close(found, messages, cache.ids))
             M.PENDING.labels("closed").inc(len(found))
         else:
             info = json.loads(lineage or "{}")
@@ -183,8 +198,8 @@ class Capture:
 
     async def finish(self, turn: Turn, cache: PromptCache, key: str) -> None:
         """Store the new turn as pending, or emit it now if it ends its session."""
-        if turn.closed_by == "session_done":
-            self._spawn(self._emit(turn.to_json(), "session_done"))
+        if turn.closed_by == "session_done":  # emitted before the response goes out
+            await self._emit(turn.to_json(), "session_done", self.timeout)
             return
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
@@ -206,24 +221,23 @@ class Capture:
 
     # -- emitting ------------------------------------------------------------------------
 
-    async def _close(self, found: list[tuple[Candidate, str]], messages: list[dict[str, Any]],
-                     latest_ids: list[int]) -> None:  # fmt: skip
-        for i, (cand, record) in enumerate(found):
-            ids = latest_ids if i == len(found) - 1 else None
-            await self._emit(closed_turn(record, "next_request", next_state(messages, cand.end), ids),
-                             "next_request")  # fmt: skip
-
-    async def _emit(self, data: str, closed_by: str) -> None:
-        M.TURNS.labels(closed_by).inc()
+    async def _emit(self, data: str, closed_by: str, timeout: float) -> None:
+        """Publish a finished turn, or spool it (a timeout too: the replay's duplicate, if
+        the first one landed after all, has the same id and is dropped downstream)."""
         if self.state is State.UP:
             try:
-                async with asyncio.timeout(self.slow_timeout):
+                async with asyncio.timeout(timeout):
                     entry = await self.bus.publish_raw(K.TURNS, data)
+                M.TURNS.labels(closed_by).inc()
                 if entry is None:
                     M.SHED.labels("stream_bound").inc()
                 return
             except FAILURES as exc:
-                self._down(exc)
+                self._failed(exc)
+        self._spool_turn(data, closed_by)
+
+    def _spool_turn(self, data: str, closed_by: str) -> None:
+        M.TURNS.labels(closed_by).inc()
         self._spool({"op": "turn", "data": data})
 
     # -- outage: spool and in-memory fallback --------------------------------------------
@@ -299,14 +313,15 @@ class Capture:
     async def _sweep(self) -> None:
         for _ in range(16):
             try:
-                won = await asyncio.wait_for(self.store.due(time.time()), self.slow_timeout)
+                won, shed = await asyncio.wait_for(self.store.expire(time.time()), self.slow_timeout)
             except FAILURES as exc:
                 self._down(exc)
                 return
-            for _, record in won:
-                M.PENDING.labels("expired").inc()
-                await self._emit(closed_turn(record, "ttl", None), "ttl")
-            if len(won) < SWEEP_BATCH:
+            M.PENDING.labels("expired").inc(won)
+            M.TURNS.labels("ttl").inc(won)
+            if shed:
+                M.SHED.labels("stream_bound").inc(shed)
+            if won < SWEEP_BATCH:
                 return
 
     def _sweep_local(self) -> None:
@@ -318,7 +333,7 @@ class Capture:
             self._local.popitem(last=False)
             self._closed_locally(key)
             M.PENDING.labels("expired").inc()
-            self._spawn(self._emit(closed_turn(held.record, "ttl", None), "ttl"))
+            self._spool_turn(closed_turn(held.record, "ttl", None), "ttl")
         M.FALLBACK_PENDING.set(len(self._local))
 
     async def _recover(self) -> None:

@@ -7,9 +7,13 @@ Layout (names from `shared.keys`):
     pending-deadlines     sorted set: <hash> scored by the turn's deadline (unix seconds)
     lineage:<hash>        {"session_id", "turn_index"} of the response ending that prefix
 
-Closing is `GETDEL`: whichever replica's request (or sweeper) gets the value emits the
-turn; every other one gets nil. Each method is one round trip (a non-transactional
-pipeline).
+Closing a pending turn *is* emitting it: one Lua script takes the record, deletes it
+and adds the finished Turn to the `turns` stream (its next state and `closed_by`
+appended to the stored JSON), so there is no moment when a turn has left `pending:`
+but not reached `turns` — a collector SIGKILLed at any point loses none. Whichever
+replica's request (or sweeper) runs the script first emits the turn; every other one
+finds nothing. The stream's bound applies as in shared/streams.py: over it, the turn is
+shed and counted. Each method is one round trip.
 """
 
 from __future__ import annotations
@@ -17,9 +21,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shared.keys import Keys
+from shared.keys import FIELD, Keys
 
 SWEEP_BATCH = 256
+
+# KEYS: turns, its shed counter, pending-deadlines, then pending:<hash> per candidate.
+# ARGV: stream bound, entry field, closed_by, then per candidate its hash, then per
+# candidate its next-state JSON. For each record found: delete it, append prompt_ids
+# (the PromptCache's ids, verbatim), next_state and closed_by to its Turn JSON, XADD it
+# (or count it shed). Returns the records (false where none), then the number shed.
+_CLOSE = """
+local n = #KEYS - 3
+local out = {}
+local shed = 0
+local hashes = {}
+for i = 1, n do
+  hashes[i] = ARGV[3 + i]
+  local rec = redis.call('GET', KEYS[3 + i])
+  if rec then
+    redis.call('DEL', KEYS[3 + i])
+    local a = string.find(rec, '\\n', 1, true)
+    local b = string.find(rec, '\\n', a + 1, true)
+    local ids = string.match(string.sub(rec, a + 1, b - 1), '"ids":(%b[])')
+    local body = string.sub(rec, b + 1)
+    local turn = string.sub(body, 1, -2) .. ',"prompt_ids":' .. ids .. ',"next_state":'
+                 .. ARGV[3 + n + i] .. ',"closed_by":"' .. ARGV[3] .. '"}'
+    if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+      redis.call('INCR', KEYS[2])
+      shed = shed + 1
+    else
+      redis.call('XADD', KEYS[1], '*', ARGV[2], turn)
+    end
+    out[i] = rec
+  else
+    out[i] = false
+  end
+end
+if n > 0 then redis.call('ZREM', KEYS[3], unpack(hashes)) end
+out[n + 1] = shed
+return out
+"""
 
 
 def connect(url: str, timeout: float, max_connections: int = 128) -> Any:
@@ -39,30 +80,38 @@ def connect(url: str, timeout: float, max_connections: int = 128) -> Any:
 
 
 class PendingStore:
-    def __init__(self, redis: Any, keys: Keys, ttl_s: float) -> None:
+    def __init__(self, redis: Any, keys: Keys, ttl_s: float, bound: int = 100_000) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
         self.grace_s = max(60.0, ttl_s)
+        self.bound = bound
+        self._close = redis.register_script(_CLOSE)
 
     def key_ttl_ms(self, deadline: float, now: float) -> int:
         return max(1000, int((deadline - now + self.grace_s) * 1000))
 
+    def _close_args(self, hashes: Sequence[str], closed_by: str,
+                    states: Sequence[str]) -> tuple[list[str], list[Any]]:  # fmt: skip
+        k = self.keys
+        keys = [k.turns, k.shed(k.turns), k.pending_deadlines, *(k.pending_turn(h) for h in hashes)]
+        return keys, [self.bound, FIELD, closed_by, *hashes, *states]
+
     async def lookup(
-        self, hashes: Sequence[str], lineage_of: str | None
-    ) -> tuple[list[str | None], str | None]:
-        """GETDEL each candidate's pending record (and drop it from the deadlines: closed
-        now, or already); GET the lineage of `lineage_of`."""
+        self, hashes: Sequence[str], lineage_of: str | None, states: Sequence[str]
+    ) -> tuple[list[str | None], str | None, int]:
+        """Close and emit each candidate's pending turn (`states[i]`: its next state as
+        JSON); GET the lineage of `lineage_of`. Returns (records, lineage, turns shed)."""
         pipe = self.redis.pipeline(transaction=False)
-        for h in hashes:
-            pipe.getdel(self.keys.pending_turn(h))
-        pipe.zrem(self.keys.pending_deadlines, *hashes)
+        keys, args = self._close_args(hashes, "next_request", states)
+        await self._close(keys=keys, args=args, client=pipe)
         if lineage_of is not None:
             pipe.get(self.keys.turn_lineage(lineage_of))
         out = await pipe.execute()
-        records = [None if r is None else str(r) for r in out[: len(hashes)]]
+        closed = out[0]
+        records = [None if not r else str(r) for r in closed[: len(hashes)]]
         lineage = None if lineage_of is None or out[-1] is None else str(out[-1])
-        return records, lineage
+        return records, lineage, int(closed[-1])
 
     async def put(self, h: str, record: str, deadline: float, lineage: str, now: float) -> None:
         px = self.key_ttl_ms(deadline, now)
@@ -81,16 +130,14 @@ class PendingStore:
         pipe.zrem(self.keys.pending_deadlines, *hashes)
         await pipe.execute()
 
-    async def due(self, now: float) -> list[tuple[str, str]]:
-        """Claim pending turns past their deadline: (hash, record) for those this caller won."""
+    async def expire(self, now: float) -> tuple[int, int]:
+        """Close and emit (no next state, closed_by ttl) pending turns past their deadline;
+        returns (how many this caller closed, how many of those were shed)."""
         members = await self.redis.zrangebyscore(
             self.keys.pending_deadlines, "-inf", now, start=0, num=SWEEP_BATCH
         )
         if not members:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for h in members:
-            pipe.getdel(self.keys.pending_turn(h))
-        pipe.zrem(self.keys.pending_deadlines, *members)
-        out = await pipe.execute()
-        return [(str(h), str(r)) for h, r in zip(members, out[:-1], strict=True) if r is not None]
+            return 0, 0
+        keys, args = self._close_args(members, "ttl", ["null"] * len(members))
+        out = await self._close(keys=keys, args=args)
+        return sum(1 for r in out[:-1] if r), int(out[-1])
