@@ -73,7 +73,8 @@ async def main() -> None:
         v1 = int(r.get(f"{stack.prefix}:trainer-version") or 0)
         n_served = len(load.served)
         await load.stop()
-        text = (await asyncio.to_thread(httpx.get, f"{buffer}/metrics", timeout=10)).text
+        text = (await asyncio.to_thread(httpx.get, f"{buffer}/metrics", headers=stack.internal_headers(),
+                                        timeout=10)).text
         cum = histogram(text, "nextstate_buffer_sample_staleness_versions")
     finally:
         await asyncio.to_thread(stack.stop)

@@ -3,13 +3,42 @@
 The collector turns an OpenAI request into the prompt ids it sends to the engine:
 
     tpl = ChatTemplate.from_pretrained(path)
-    ids = tpl.encode(messages, tools)            # tokenizer(render(...), add_special_tokens=False)
+    ids = tpl.encode(messages, tools)            # the rendering, client text as plain text
     ids, cache = tpl.encode_incremental(messages, tools, cache)   # the same ids, cheaper
 
 `encode` is the definition: prompt ids are the tokenization of the chat template's
-rendering. `encode_incremental` returns exactly the same ids but, given the
-`PromptCache` of an earlier request of the same conversation, tokenizes only what is
-new (DESIGN.md "Hot paths": agents resend the whole history on every call).
+rendering in which only the template's own markers are control tokens. Text the client
+wrote (contents, names, tool-call arguments, tool results, tool definitions) is
+tokenized as plain characters even when it spells `<|im_end|>` or `<tool_call>`, so a
+message can never forge a turn boundary or a tool call, neither for the engine nor
+for the trainer, which both get these ids. `encode_incremental` returns exactly the
+same ids but, given the `PromptCache` of an earlier request of the same conversation,
+tokenizes only what is new (DESIGN.md "Hot paths": agents resend the whole history on
+every call).
+
+Control tokens are the added tokens marked special, plus the added tokens the chat
+template writes or a tool-call or reasoning parser looks for (`<tool_call>`,
+`<think>`: often plain added tokens, yet markers all the same). Other added tokens
+(extra words, whitespace runs) are ordinary text everywhere.
+
+Keeping client text plain (`render_prompt`, then `encode_rendering`):
+1. Nothing to do unless some client string contains a control token's text, ends
+   with the start of one or starts with the end of one (so that it could complete
+   one with the text next to it): one regular-expression scan of the request's
+   strings. Then the ids are the tokenizer's ids of the rendering, as always.
+2. Otherwise the template renders the request again with those strings replaced by
+   sentinels, and the two renderings are aligned (`shared.chat_messages`): the
+   character spans the client strings occupy (`Rendering.client_spans`).
+3. The rendering is tokenized as usual; a control token that overlaps a client span
+   is forged. Each stretch between two of the template's own control tokens that
+   holds a forged one is tokenized again on its own with control tokens disabled
+   (the tokenizer's `encode_special_tokens`, on a copy where every control token is
+   special). Since a tokenizer splits its input at added tokens before anything
+   else, every other stretch keeps the ids it had: without forged tokens the result
+   is exactly the plain tokenization. The one caveat: a re-tokenized stretch is
+   tokenized as if it started the input, which only matters for tokenizers that
+   treat the input's start specially (Metaspace with prepend_scheme="first"); for
+   byte-level BPE tokenizers it is what the stretch would be in place.
 
 Why reusing a prefix is exact. A HF fast tokenizer first splits its input on added
 tokens (`<|im_start|>`, `<|im_end|>`, `<tool_call>`...), then normalizes,
@@ -26,30 +55,47 @@ load: for each candidate, ids(h + token + t) == ids(h + token) + ids(t) on a set
 heads and tails, which rejects pre-tokenizers that treat the start of the input
 specially (e.g. Metaspace with prepend_scheme="first"). Candidates are the added
 tokens that appear in the chat template; if none qualifies, incremental encoding is
-simply a full encode. Cut points are read from the tokenizer's own offsets, so a
-token that appears in user text counts only where the tokenizer matched it.
+simply a full encode. Cut points are read from the tokenizer's own offsets, and only
+the template's own tokens are cut points. Client text does not change this: its
+stretches never contain a cut point, so a prefix is reused only when the client spans
+before the cut are the same too (the same text with other owners, e.g. a user message
+spelling out the next turn, has other ids).
 
 `PromptCache` is small and JSON-serializable (the collector keeps it in Redis next to
-the pending turn): the rendered text, its ids, and the cut points as
-(character offset just after a cut token, number of ids up to and including it).
+the pending turn): the rendered text, its ids, the cut points as (character offset
+just after a cut token, number of ids up to and including it), and the client spans
+(only when a client string needed them; absent from the JSON otherwise).
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from shared.chat_messages import ChatTemplateError, normalize_messages, normalize_tools
+from shared.chat_messages import (
+    ChatTemplateError,
+    ControlText,
+    client_strings,
+    locate_client_text,
+    mask_client_strings,
+    normalize_messages,
+    normalize_tools,
+)
 from shared.errors import MalformedMessage, SettingsError
 from shared.schemas import describe
+from shared.toolcalls import THINK_CLOSE, THINK_OPEN, SpecialText
+from shared.toolparsers import get_tool_parser, tool_parser_names
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "PromptCache"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "PromptCache", "Rendering"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +126,8 @@ class PromptCache(BaseModel):
     ids: list[int]
     # (character offset just after a cut token, number of ids up to and including it)
     cuts: list[tuple[int, int]]
+    # client text tokenized as plain text (Rendering.client_spans)
+    spans: list[tuple[int, int]] = []
 
     @model_validator(mode="after")
     def _consistent(self) -> PromptCache:
@@ -88,10 +136,15 @@ class PromptCache(BaseModel):
             if not (last_off < off <= len(self.text) and last_n < n <= len(self.ids)):
                 raise ValueError(f"cut ({off}, {n}) is out of order or out of range")
             last_off, last_n = off, n
+        last_end = 0
+        for start, end in self.spans:
+            if not last_end <= start < end <= len(self.text):
+                raise ValueError(f"span ({start}, {end}) is out of order or out of range")
+            last_end = end
         return self
 
     def to_json(self) -> str:
-        return self.model_dump_json()
+        return self.model_dump_json(exclude={"spans"} if not self.spans else None)
 
     @classmethod
     def from_json(cls, data: str | bytes) -> PromptCache:
@@ -99,6 +152,15 @@ class PromptCache(BaseModel):
             return cls.model_validate_json(data)
         except ValidationError as exc:
             raise MalformedMessage(f"not a valid PromptCache: {describe(exc)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """A chat template's text, and where in it the client's strings that touch control
+    tokens are (sorted, disjoint character spans; empty for ordinary requests)."""
+
+    text: str
+    client_spans: tuple[tuple[int, int], ...] = ()
 
 
 class ChatTemplate:
@@ -118,8 +180,14 @@ class ChatTemplate:
         self.stop_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys([*self.eos_token_ids, *turn_ends])
         )
+        self.special_texts: tuple[str, ...] = tuple(
+            t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content
+        )  # what a decode that skips special tokens drops
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._cut_tokens: dict[int, str] = self._find_cut_tokens()
+        self._control: dict[int, str] = self._find_control_tokens()
+        self._control_text = ControlText(self._control.values(), self._client_normalizer())
+        self._output_text: dict[frozenset[str], SpecialText] = {}
         log.debug("chat template ready; cut tokens %s", sorted(self._cut_tokens.values()))
 
     @classmethod
@@ -147,6 +215,24 @@ class ChatTemplate:
         incremental encoding for this tokenizer (every call encodes in full)."""
         return dict(self._cut_tokens)
 
+    @property
+    def control_tokens(self) -> dict[int, str]:
+        """The tokens client text never becomes (id -> text): special added tokens, and
+        added tokens the template writes or a tool-call or reasoning parser looks for."""
+        return dict(self._control)
+
+    def output_special_text(self, markers: Iterable[str]) -> SpecialText | None:
+        """How the output must be decoded for `markers` (`shared.toolcalls.output_markers`)
+        to reach the parser. None: as engines do by default, skipping special tokens (none
+        of the markers is one). Otherwise keeping special tokens (`skip_special_tokens:
+        False`), and the returned `SpecialText` removes all other special tokens' text."""
+        keep = frozenset(markers) & frozenset(self.special_texts)
+        if not keep:
+            return None
+        if keep not in self._output_text:
+            self._output_text[keep] = SpecialText(t for t in self.special_texts if t not in keep)
+        return self._output_text[keep]
+
     # -- rendering -------------------------------------------------------------------
 
     def render(
@@ -159,11 +245,45 @@ class ChatTemplate:
         """The chat template's text for these OpenAI messages (normalized first, see
         `shared.chat_messages`). Raises `ChatTemplateError` when they cannot be rendered."""
         msgs = normalize_messages(messages)
+        return self._apply(msgs, normalize_tools(tools), add_generation_prompt, template_kwargs)
+
+    def render_prompt(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> Rendering:
+        """`render(...)` and the spans of client text in it that must stay plain text."""
+        msgs = normalize_messages(messages)
         tool_list = normalize_tools(tools)
+        text = self._apply(msgs, tool_list, add_generation_prompt, template_kwargs)
+        risky = self._control_text.find(client_strings(msgs, tool_list))
+        if not risky:
+            return Rendering(text)
+        masked = mask_client_strings(msgs, tool_list, risky.__contains__, text)
+        try:
+            masked_text = self._apply(
+                masked.messages, masked.tools, add_generation_prompt, template_kwargs
+            )
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(
+                "the messages contain control-token text (e.g. <|im_end|>) and the chat "
+                f"template fails when that text is set apart: {exc}"
+            ) from None
+        return Rendering(text, tuple(locate_client_text(text, masked_text, masked)))
+
+    def _apply(
+        self,
+        msgs: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+    ) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs,
-                tools=tool_list,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **template_kwargs,
@@ -187,13 +307,15 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Prompt ids: the tokenization of `render(...)`, without added BOS/EOS."""
-        return self.encode_text(
-            self.render(messages, tools, add_generation_prompt, **template_kwargs)
-        )
+        """Prompt ids: `render(...)` tokenized, client text as plain text, no added BOS/EOS."""
+        rendering = self.render_prompt(messages, tools, add_generation_prompt, **template_kwargs)
+        if not rendering.client_spans:
+            return self.encode_text(rendering.text)
+        return self._encode_piece(rendering.text, list(rendering.client_spans))[0]
 
     def encode_text(self, text: str) -> list[int]:
-        """The canonical tokenization of a rendered prompt."""
+        """The tokenizer's ids of `text`, all of it trusted: every control token's text in
+        it becomes that control token. For a rendering of messages use `encode`."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_incremental(
@@ -210,44 +332,115 @@ class ChatTemplate:
         Returns the ids and the cache for this rendering (pass it to the next call of
         the same conversation). The ids always equal `encode(...)`'s.
         """
-        text = self.render(messages, tools, add_generation_prompt, **template_kwargs)
-        return self.encode_text_incremental(text, cache)
+        rendering = self.render_prompt(messages, tools, add_generation_prompt, **template_kwargs)
+        return self.encode_rendering(rendering, cache)
 
     def encode_text_incremental(
         self, text: str, cache: PromptCache | None = None
     ) -> tuple[list[int], PromptCache]:
-        """`encode_text(text)`, tokenizing only what follows the last shared cut point."""
+        """`encode_text(text)` (trusted text), tokenizing only what follows the last shared cut."""
+        return self.encode_rendering(Rendering(text), cache)
+
+    def encode_rendering(
+        self, rendering: Rendering, cache: PromptCache | None = None
+    ) -> tuple[list[int], PromptCache]:
+        """The prompt ids of a `render_prompt` result, tokenizing only what follows the
+        last cut point it shares with `cache` (text and client spans before it)."""
+        text, spans = rendering.text, list(rendering.client_spans)
         if cache is not None and self._cut_tokens:
-            if text == cache.text:
+            if text == cache.text and spans == cache.spans:
                 return list(cache.ids), cache
-            k = self._shared_cut(text, cache)
+            k = self._shared_cut(text, spans, cache)
             if k is not None:
                 off, n = cache.cuts[k]
-                suffix = text[off:]
-                enc = self._backend.encode(suffix, add_special_tokens=False)
-                new_ids: list[int] = enc.ids
+                tail = [(a - off, b - off) for a, b in spans if a >= off]
+                new_ids, new_cuts = self._encode_piece(text[off:], tail)
                 ids = cache.ids[:n] + new_ids
-                cuts = cache.cuts[: k + 1] + [
-                    (off + o, n + m) for o, m in self._cuts_in(enc, new_ids, suffix)
+                cuts = cache.cuts[: k + 1] + [(off + o, n + m) for o, m in new_cuts]
+                return list(ids), PromptCache.model_construct(
+                    text=text, ids=ids, cuts=cuts, spans=spans
+                )
+        ids, cuts = self._encode_piece(text, spans)
+        return list(ids), PromptCache.model_construct(text=text, ids=ids, cuts=cuts, spans=spans)
+
+    def _encode_piece(
+        self, text: str, spans: list[tuple[int, int]]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and cut points of `text`, the control tokens overlapping `spans` made plain."""
+        if not spans:
+            if not self._cut_tokens:
+                return self.encode_text(text), []
+            enc = self._backend.encode(text, add_special_tokens=False)
+            return enc.ids, self._cuts_in(enc, enc.ids, text)
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a slow tokenizer: no offsets
+            raise ChatTemplateError(
+                "the messages contain control-token text (e.g. <|im_end|>), which this "
+                "(slow) tokenizer cannot keep as plain text"
+            ) from None
+        ids: list[int] = list(enc["input_ids"])
+        offs: list[tuple[int, int]] = [(a, b) for a, b in enc["offset_mapping"]]
+        ends = [b for _, b in spans]
+        owned: list[int] = []  # the template's own control tokens
+        fake: list[int] = []  # control tokens that overlap client text
+        for i, t in enumerate(ids):
+            if t in self._control:
+                j = bisect.bisect_right(ends, offs[i][0])
+                forged = j < len(spans) and spans[j][0] < offs[i][1]
+                (fake if forged else owned).append(i)
+        if not fake:
+            return ids, [(offs[i][1], i + 1) for i in owned if self._is_cut(ids[i], offs[i], text)]
+        out: list[int] = []
+        cuts: list[tuple[int, int]] = []
+        prev, f = -1, 0  # the last owned token; the next forged one
+        for b in [*owned, len(ids)]:
+            if f < len(fake) and fake[f] < b:  # tokenize this stretch again, plainly
+                start = offs[prev][1] if prev >= 0 else 0
+                end = offs[b][0] if b < len(ids) else len(text)
+                out += self._plain_ids(text[start:end])
+                while f < len(fake) and fake[f] < b:
+                    f += 1
+            else:
+                out += ids[prev + 1 : b]
+            if b < len(ids):
+                out.append(ids[b])
+                if self._is_cut(ids[b], offs[b], text):
+                    cuts.append((offs[b][1], len(out)))
+            prev = b
+        return out, cuts
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """`text` tokenized with every control token disabled (its characters as text)."""
+        if self._plain is not None:
+            ids: list[int] = self._plain.encode(text, add_special_tokens=False).ids
+        else:
+            ids = list(
+                self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
+                    "input_ids"
                 ]
-                return list(ids), PromptCache.model_construct(text=text, ids=ids, cuts=cuts)
-        return self._encode_full(text)
+            )
+        if any(t in self._control for t in ids):
+            raise ChatTemplateError(
+                "the messages contain control-token text that this tokenizer cannot "
+                "tokenize as plain text"
+            )
+        return ids
 
-    def _encode_full(self, text: str) -> tuple[list[int], PromptCache]:
-        if not self._cut_tokens:
-            ids = self.encode_text(text)
-            return list(ids), PromptCache.model_construct(text=text, ids=ids, cuts=[])
-        enc = self._backend.encode(text, add_special_tokens=False)
-        ids = enc.ids
-        cuts = self._cuts_in(enc, ids, text)
-        return list(ids), PromptCache.model_construct(text=text, ids=ids, cuts=cuts)
+    def _is_cut(self, tid: int, off: tuple[int, int], text: str) -> bool:
+        content = self._cut_tokens.get(tid)
+        return content is not None and text[off[0] : off[1]] == content
 
-    def _shared_cut(self, text: str, cache: PromptCache) -> int | None:
-        """Index of the last cut of `cache` whose prefix `text` shares, if it checks out."""
-        cuts = cache.cuts
+    def _shared_cut(
+        self, text: str, spans: list[tuple[int, int]], cache: PromptCache
+    ) -> int | None:
+        """Index of the last cut of `cache` whose prefix `text` shares, with the same
+        client spans before it, if it checks out."""
+        limit = _first_difference(spans, cache.spans)
+        cuts = cache.cuts[: bisect.bisect_right(cache.cuts, (limit, len(cache.ids)))]
         if not cuts:
             return None
-        if text.startswith(cache.text):
+        if text.startswith(cache.text[: cuts[-1][0]]):
             k = len(cuts) - 1
         else:  # the template rewrote history: binary search the last shared cut
             lo, hi = 0, len(cuts) - 1
@@ -330,6 +523,55 @@ class ChatTemplate:
         backend_ids = list(self._backend.encode(text, add_special_tokens=False).ids)
         return backend_ids == self.encode_text(text)
 
+    # -- control tokens --------------------------------------------------------------
+
+    def _find_control_tokens(self) -> dict[int, str]:
+        template = self.tokenizer.chat_template
+        sources = list(template.values()) if isinstance(template, dict) else [template]
+        markers = {THINK_OPEN, THINK_CLOSE}
+        for name in tool_parser_names():
+            parser = get_tool_parser(name)
+            markers.update(m for m in (parser.start, parser.end) if m)
+        return {
+            tid: tok.content
+            for tid, tok in self.tokenizer.added_tokens_decoder.items()
+            if tok.content
+            and (
+                tok.special
+                or tok.content in markers
+                or (_markup(tok.content) and any(tok.content in s for s in sources))
+            )
+        }
+
+    def _client_normalizer(self) -> Any:
+        """The backend's normalizer, when a control token is matched after normalization
+        (client text must then be checked both as written and normalized)."""
+        normalizer = getattr(self._backend, "normalizer", None)
+        if normalizer is None:
+            return None
+        added = self.tokenizer.added_tokens_decoder
+        return normalizer.normalize_str if any(added[t].normalized for t in self._control) else None
+
+    @functools.cached_property
+    def _plain(self) -> Any:
+        """A copy of the backend on which every control token is special and special
+        tokens are not matched: client text tokenizes to its characters' ids. (Made on
+        first use: only requests with control-token text need it.)"""
+        if self._backend is None or not self._control:
+            return None
+        from tokenizers import Tokenizer  # installed with transformers' fast tokenizers
+
+        data = json.loads(self._backend.to_str())
+        control = set(self._control.values())
+        for tok in data.get("added_tokens") or []:
+            if tok.get("content") in control:
+                tok["special"] = True
+        plain = Tokenizer.from_str(json.dumps(data))
+        plain.no_truncation()
+        plain.no_padding()
+        plain.encode_special_tokens = True
+        return plain
+
     # -- decoding --------------------------------------------------------------------
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -348,6 +590,22 @@ def _crosses_end(token: str, other: str) -> bool:
     return any(
         other.startswith(token[k:]) and len(other) > len(token) - k for k in range(1, len(token))
     )
+
+
+def _markup(text: str) -> bool:
+    """Does an added token look like a marker (`<tool_call>`, `[INST]`), not like a word
+    or a run of whitespace (which some tokenizers add, and a template may contain too)?"""
+    return any(not (c.isalnum() or c.isspace() or c == "_") for c in text)
+
+
+def _first_difference(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """The first offset where two span lists differ (a very large number when equal)."""
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            return min(x[0], y[0])
+    if len(a) != len(b):
+        return (a[len(b)] if len(a) > len(b) else b[len(a)])[0]
+    return 1 << 62
 
 
 def _generation_config_eos(path: Path) -> list[int]:

@@ -8,6 +8,7 @@ only then rename the folder into place: a bad download leaves nothing behind.
     policies/<run>/v000042/…                 model files (shards, config, tokenizer)
     policies/<run>/v000042/manifest.json     CheckpointManifest
     policies/<run>/LATEST                    LatestPointer
+    policies/<run>/RUN.json                  RunRecord: the run's base model (shared/runs.py)
     trainer-state/<run>/…                    optimizer + step for resume
     samples/<run>/…                          archived samples
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+RUN = "RUN.json"
 STAGING = ".staging-"
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _VERSION_DIR = re.compile(r"v(\d{6,})")
@@ -78,6 +80,11 @@ def manifest_key(run: str, version: int) -> str:
 
 def latest_key(run: str) -> str:
     return policies_prefix(run) + LATEST
+
+
+def run_key(run: str) -> str:
+    """The run's identity: which base model it belongs to (shared/runs.py)."""
+    return policies_prefix(run) + RUN
 
 
 def trainer_state_prefix(run: str) -> str:

@@ -108,6 +108,11 @@ class Keys:
         """The newest version the trainer has committed (set by the trainer)."""
         return f"{self.prefix}:trainer-version"
 
+    @property
+    def run_owner(self) -> str:
+        """JSON {run, at}: the run whose turns this prefix holds (set once by the buffer)."""
+        return f"{self.prefix}:run"
+
     # -- operator-facing state (`nextstate status` reads these) --------------------------
     @property
     def watcher_state(self) -> str:

@@ -68,6 +68,12 @@ class SamplingParams(BaseModel):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    # Constrained decoding (the collector's `response_format`; SGLang's sampling params of
+    # the same names, vLLM's `structured_outputs`). Set on a Turn, it records that the
+    # sample came from the grammar-masked distribution; the log-probs are still the
+    # full-vocabulary ones (services/engine/grammar.py says why).
+    json_schema: str | None = None  # a JSON Schema, serialized; '{"type":"object"}' = any object
+    regex: str | None = None
 
 
 class Turn(Message):

@@ -5,10 +5,11 @@ configures the whole stack:
 
     NEXTSTATE_ENV=prod
     NEXTSTATE_RUN=exp1
-    NEXTSTATE_REDIS__URL=redis://redis:6379/0
+    NEXTSTATE_REDIS__URL=redis://judge:<password>@redis:6379/0   (prod: a password is required)
     NEXTSTATE_REDIS__PREFIX=nextstate
     NEXTSTATE_BUCKET__ENDPOINT=minio:9000
     NEXTSTATE_BUCKET__ACCESS_KEY=...   NEXTSTATE_BUCKET__SECRET_KEY=...
+    NEXTSTATE_INTERNAL__TOKEN=...      the credential of every internal endpoint (shared/auth.py)
     NEXTSTATE_COLLECTOR__PORT=8000     (a service's own group)
 
 `load_settings` turns validation errors into one `SettingsError` whose message names
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import re
 from typing import Any, Literal, TypeVar
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,6 +31,7 @@ ENV_PREFIX = "NEXTSTATE_"
 DEV_BUCKET_KEYS = ("minioadmin", "minioadmin")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_TOKEN = re.compile(r"[!-~]{16,}")
 
 
 class RedisSettings(BaseModel):
@@ -106,6 +109,38 @@ class LogSettings(BaseModel):
         return v.upper() if isinstance(v, str) else v
 
 
+class InternalSettings(BaseModel):
+    """The one credential of the closed control plane (shared/auth.py).
+
+    Every internal endpoint (engine, buffer, ops ports) requires `Authorization: Bearer
+    <token>` and every client in the stack sends it. None: no authentication, allowed
+    outside prod only. `metrics_public`: /metrics answers without it (scrapers that
+    cannot send a bearer token); /healthz, /health and /readyz are always open.
+    """
+
+    token: SecretStr | None = None
+    metrics_public: bool = False
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("token")
+    @classmethod
+    def _token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not _TOKEN.fullmatch(v.get_secret_value()):
+            raise ValueError(
+                "at least 16 printable ASCII characters without spaces "
+                "(e.g. the output of `openssl rand -hex 32`)"
+            )
+        return v
+
+    def secret(self) -> str | None:
+        """The token's value, for a client to send (never log it)."""
+        return self.token.get_secret_value() if self.token is not None else None
+
+
 class Settings(BaseSettings):
     """What every service needs. Services subclass this and add their own group."""
 
@@ -122,6 +157,7 @@ class Settings(BaseSettings):
     streams: StreamSettings = StreamSettings()
     bucket: BucketSettings = BucketSettings()
     log: LogSettings = LogSettings()
+    internal: InternalSettings = InternalSettings()
 
     @field_validator("run")
     @classmethod
@@ -133,17 +169,39 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _no_default_secrets_in_prod(self) -> Settings:
         if self.env == "prod":
-            if self.bucket.access_key == DEV_BUCKET_KEYS[0]:
+            # A service that never sets the URL (the engine) does not use Redis.
+            if "url" in self.redis.model_fields_set and not redis_url_has_password(self.redis.url):
+                raise ValueError(
+                    "NEXTSTATE_REDIS__URL carries no password; Redis requires one when "
+                    "NEXTSTATE_ENV=prod: redis://<user>:<password>@host:port/db, with the "
+                    "service's own ACL user (services/ctl/redis_acl.py)"
+                )
+            # Likewise a service that configures no bucket does not use one (collector, judge).
+            bucket_used = "bucket" in self.model_fields_set
+            if bucket_used and self.bucket.access_key == DEV_BUCKET_KEYS[0]:
                 raise ValueError(
                     "NEXTSTATE_BUCKET__ACCESS_KEY is the development default; "
                     "set real credentials when NEXTSTATE_ENV=prod"
                 )
-            if self.bucket.secret_key.get_secret_value() == DEV_BUCKET_KEYS[1]:
+            if bucket_used and self.bucket.secret_key.get_secret_value() == DEV_BUCKET_KEYS[1]:
                 raise ValueError(
                     "NEXTSTATE_BUCKET__SECRET_KEY is the development default; "
                     "set real credentials when NEXTSTATE_ENV=prod"
                 )
+            if self.internal.token is None:
+                raise ValueError(
+                    "NEXTSTATE_INTERNAL__TOKEN is not set: every internal endpoint (engine, "
+                    "buffer, ops ports) requires it when NEXTSTATE_ENV=prod; set the same random "
+                    "value (e.g. `openssl rand -hex 32`) for every service"
+                )
         return self
+
+
+def redis_url_has_password(url: str) -> bool:
+    """Whether a redis:// (rediss://, unix://) URL authenticates: a password in its user
+    part (`redis://user:pw@host`) or its query (`unix:///redis.sock?password=pw`)."""
+    parts = urlsplit(url)
+    return bool(parts.password) or any(v for v in parse_qs(parts.query).get("password", []))
 
 
 S = TypeVar("S", bound=BaseSettings)

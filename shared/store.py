@@ -154,9 +154,17 @@ class Bucket:
 
     # -- the bucket itself ------------------------------------------------------------
     def ensure(self) -> None:
-        """Create the bucket if it does not exist (racing creators both succeed)."""
+        """Create the bucket if it does not exist (racing creators both succeed). A key
+        without bucket-level rights (a narrow service role) cannot ask, nor create it: it
+        checks that it can list the bucket instead."""
         with self._errors("create bucket"):
-            if self._client.bucket_exists(self.name):
+            try:
+                if self._client.bucket_exists(self.name):
+                    return
+            except S3Error as exc:
+                if exc.code != "AccessDenied":
+                    raise
+                self._list_one()
                 return
             try:
                 self._client.make_bucket(self.name, location=self.settings.region)
@@ -166,11 +174,14 @@ class Bucket:
                     raise
 
     def ping(self) -> None:
-        """Raise `StoreError` unless the endpoint answers and the bucket exists (for health)."""
+        """Raise `StoreError` unless the endpoint answers, the bucket exists and this key may
+        list it (for health; listing is the one right every service role has)."""
         with self._errors("check bucket"):
-            found = self._client.bucket_exists(self.name)
-        if not found:
-            raise StoreError(self._no_bucket())
+            self._list_one()
+
+    def _list_one(self) -> None:
+        for _ in self._client.list_objects(self.name, prefix="", recursive=False):
+            break
 
     # -- bytes and JSON -------------------------------------------------------------------
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:

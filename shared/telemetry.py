@@ -3,10 +3,12 @@
 - `configure_logging` sets the root logger once per process: text for people, JSON
   (`NEXTSTATE_LOG__FORMAT=json`) for log pipelines. Fields passed with `extra=` are
   kept (as `k=v` in text). Conversation text is never logged at INFO.
-- `add_ops_routes(app, checks)` mounts the three endpoints on a FastAPI app;
-  `serve_ops(host, port, checks)` runs them for services that have no API of their own.
-  `/healthz` is liveness (the process answers); `/readyz` runs every check with a
-  timeout and answers 503 naming the ones that failed.
+- `add_ops_routes(app, checks, internal)` mounts the three endpoints on a FastAPI app;
+  `serve_ops(host, port, checks, internal)` runs them for services that have no API of
+  their own. `/healthz` is liveness (the process answers); `/readyz` runs every check
+  with a timeout and answers 503 naming the ones that failed. Both are open; `/metrics`
+  needs the internal token (shared/auth.py) unless `NEXTSTATE_INTERNAL__METRICS_PUBLIC`.
+  An app whose whole API sits behind `InternalAuth` may leave `internal` out.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from shared.settings import LogSettings
+from shared.auth import METRICS, Guard, challenge, unauthorized
+from shared.settings import InternalSettings, LogSettings
 
 Check = Callable[[], Awaitable[object]]
 
@@ -98,9 +101,12 @@ async def run_checks(checks: Mapping[str, Check], timeout: float = 2.0) -> dict[
     return dict(zip(names, results, strict=True))
 
 
-def add_ops_routes(app: FastAPI, checks: Mapping[str, Check] | None = None) -> None:
+def add_ops_routes(
+    app: FastAPI, checks: Mapping[str, Check] | None = None, internal: InternalSettings | None = None
+) -> None:
     started = time.time()
     checks = checks if checks is not None else {}
+    guard = Guard.of(internal) if internal is not None else None
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, Any]:
@@ -116,13 +122,16 @@ def add_ops_routes(app: FastAPI, checks: Mapping[str, Check] | None = None) -> N
         )
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        problem = guard.refusal(METRICS, request.headers) if guard is not None else None
+        if problem is not None:
+            return challenge(unauthorized(problem))
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-def ops_app(checks: Mapping[str, Check] | None = None) -> FastAPI:
+def ops_app(checks: Mapping[str, Check] | None = None, internal: InternalSettings | None = None) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    add_ops_routes(app, checks)
+    add_ops_routes(app, checks, internal)
     return app
 
 
@@ -141,9 +150,12 @@ def embedded_server(app: Any, host: str, port: int) -> Any:
     return _Embedded(config)
 
 
-async def serve_ops(host: str, port: int, checks: Mapping[str, Check] | None = None) -> None:
+async def serve_ops(
+    host: str, port: int, checks: Mapping[str, Check] | None = None,
+    internal: InternalSettings | None = None,
+) -> None:
     """Serve the ops endpoints until cancelled (for services without an HTTP API)."""
-    server = embedded_server(ops_app(checks), host, port)
+    server = embedded_server(ops_app(checks, internal), host, port)
     try:
         await server.serve()
     finally:

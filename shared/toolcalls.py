@@ -33,12 +33,22 @@ body of an open tool call: a call is emitted whole, once it closes, as one delta
 its index, id, type, name and complete arguments, because only then is it known to be
 valid (a malformed call turns back into content). Everything else goes out as soon as
 it arrives.
+
+Markers that are special tokens. Engines decode the output skipping special tokens,
+so a marker the tokenizer marks special (Mistral's `[TOOL_CALLS]`, Llama 3's
+`<|python_tag|>`, `<tool_call>` or `<think>` when added as special) never reaches the
+text. Then the output is decoded keeping special tokens (the engine's
+`skip_special_tokens=False`) and `drop=SpecialText(...)` removes every other special
+token's text before parsing: the text is a normal decode plus those markers.
+`output_markers` names the markers a request's output is parsed for.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import string
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +67,7 @@ __all__ = [
     "FunctionCall",
     "ParsedCall",
     "ReasoningDelta",
+    "SpecialText",
     "StreamParser",
     "ToolCall",
     "ToolCallDelta",
@@ -67,6 +78,7 @@ __all__ = [
     "get_tool_parser",
     "message_dict",
     "new_call_id",
+    "output_markers",
     "parse_assistant",
     "prompt_opens_reasoning",
     "register_tool_parser",
@@ -87,6 +99,64 @@ def new_call_id() -> str:
 def prompt_opens_reasoning(prompt_text: str) -> bool:
     """True when the rendered prompt ends inside an open `<think>` (the output starts in it)."""
     return prompt_text.rstrip().endswith(THINK_OPEN)
+
+
+def output_markers(parser: str, *, tools_enabled: bool, reasoning: bool) -> tuple[str, ...]:
+    """The markers a request's output is parsed for: its tool calls' (when tools are
+    enabled) and the reasoning ones (when reasoning is parsed)."""
+    out: list[str] = []
+    if tools_enabled:
+        tp = get_tool_parser(parser)
+        out += [tp.start] + ([tp.end] if tp.end else [])
+    if reasoning:
+        out += [THINK_OPEN, THINK_CLOSE]
+    return tuple(out)
+
+
+class SpecialText:
+    """Removes given special-token texts from sampled text, whole or streamed alike."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        words = sorted({t for t in texts if t}, key=len, reverse=True)  # longest wins
+        self._rx = re.compile("|".join(map(re.escape, words))) if words else None
+        self._starts = {w[:k] for w in words for k in range(1, len(w))}
+        self._longest = max(map(len, words), default=0)
+
+    def remove(self, text: str) -> str:
+        return text if self._rx is None else self._rx.sub("", text)
+
+    def stream(self) -> _SpecialTextStream:
+        return _SpecialTextStream(self)
+
+    def _split(self, buf: str) -> int:
+        """Where `buf` stops being certain: the start of its longest end that may still
+        become a special token, or of a match reaching into that end."""
+        cut = len(buf)
+        for k in range(min(len(buf), self._longest - 1), 0, -1):
+            if buf[-k:] in self._starts:
+                cut = len(buf) - k
+                break
+        if self._rx is not None and cut < len(buf):
+            for m in self._rx.finditer(buf):
+                if m.start() < cut < m.end():
+                    return m.start()
+        return cut
+
+
+class _SpecialTextStream:
+    def __init__(self, special: SpecialText) -> None:
+        self._special = special
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        buf = self._held + text
+        cut = self._special._split(buf)
+        self._held = buf[cut:]
+        return self._special.remove(buf[:cut])
+
+    def finish(self) -> str:
+        out, self._held = self._special.remove(self._held), ""
+        return out
 
 
 @dataclass(frozen=True)
@@ -153,8 +223,11 @@ def parse_assistant(
     parser: str = "hermes",
     reasoning: bool = False,
     reasoning_open: bool | None = None,
+    drop: SpecialText | None = None,
 ) -> AssistantMessage:
     """The whole sampled text as an assistant message (rules in the module docstring)."""
+    if drop is not None:
+        text = drop.remove(text)
     tp = get_tool_parser(parser) if tools_enabled else None
     reasoning_text: str | None = None
     rest = text
@@ -237,8 +310,10 @@ class StreamParser:
         parser: str = "hermes",
         reasoning: bool = False,
         reasoning_open: bool | None = None,
+        drop: SpecialText | None = None,
     ) -> None:
         self._tp = get_tool_parser(parser) if tools_enabled else None
+        self._drop = None if drop is None else drop.stream()
         self._auto = reasoning_open is None
         self._state = _CONTENT if not reasoning else _REASONING if reasoning_open else _START
         self._buf = ""
@@ -254,7 +329,7 @@ class StreamParser:
         """Deltas that `text` (the next piece of sampled text) makes certain."""
         if self._finished:
             raise RuntimeError("StreamParser.feed after finish")
-        self._buf += text
+        self._buf += text if self._drop is None else self._drop.feed(text)
         out: list[Delta] = []
         self._run(out, final=False)
         return out
@@ -263,6 +338,8 @@ class StreamParser:
         """The deltas still held back, once the output has ended."""
         if self._finished:
             return []
+        if self._drop is not None:
+            self._buf += self._drop.finish()
         out: list[Delta] = []
         self._run(out, final=True)
         self._finished = True

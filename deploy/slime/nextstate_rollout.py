@@ -20,6 +20,7 @@ Settings (pydantic-settings, like every nextstate service):
     NEXTSTATE_SLIME__BUFFER_URL=http://buffer:8200     NEXTSTATE_SLIME__BATCHES_PER_REQUEST=4
     NEXTSTATE_SLIME__WAIT_S=20     long-poll per request (the buffer caps it at its get_data_max_wait_s)
     NEXTSTATE_SLIME__TIMEOUT_S=10  on top of WAIT_S per request      NEXTSTATE_SLIME__RETRY_MAX_S=30
+    NEXTSTATE_INTERNAL__TOKEN=...  the stack's internal token: /get_data requires it
 slime's own Sample / RolloutFnTrainOutput are used when importable, else the stand-in
 in slime_standin.py (tests and CI have no slime).
 """
@@ -37,7 +38,8 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from shared.errors import BufferUnavailable
+from shared.auth import bearer
+from shared.errors import BufferUnavailable, SettingsError
 from shared.schemas import TrainBatch, TrainSample, describe
 from shared.settings import Settings, load_settings
 
@@ -159,11 +161,12 @@ def rollout_metrics(samples: Sequence[Any], temperature: float | None) -> dict[s
 class RolloutSource:
     """Pulls TrainBatches from the buffer and hands out exactly `k` Samples per rollout."""
 
-    def __init__(self, cfg: SlimeConfig, client: httpx.Client | None = None) -> None:
+    def __init__(self, cfg: SlimeConfig, client: httpx.Client | None = None, *, token: str | None = None) -> None:
         self.cfg = cfg
         self.client = client or httpx.Client(
             base_url=cfg.buffer_url,
             timeout=httpx.Timeout(cfg.wait_s + cfg.timeout_s, connect=cfg.connect_timeout_s),
+            headers=bearer(token),
         )
         self._ready: deque[Any] = deque()
         self._next_index = 0
@@ -179,6 +182,11 @@ class RolloutSource:
             resp = self.client.get("/get_data", params=params)
         except httpx.HTTPError as exc:
             raise BufferUnavailable(f"GET {self.cfg.buffer_url}/get_data failed: {exc!r}") from exc
+        if resp.status_code == 401:  # retrying cannot help: say what to set
+            raise SettingsError(
+                f"GET {self.cfg.buffer_url}/get_data answered 401 ({resp.text[:200]}): set "
+                "NEXTSTATE_INTERNAL__TOKEN in slime's environment to the stack's internal token"
+            )
         if resp.status_code != 200:
             raise BufferUnavailable(
                 f"GET {self.cfg.buffer_url}/get_data answered {resp.status_code}: {resp.text[:300]}"
@@ -239,7 +247,8 @@ def source() -> RolloutSource:
     global _SOURCE
     with _SOURCE_LOCK:
         if _SOURCE is None:
-            _SOURCE = RolloutSource(load_settings(SlimeSettings).slime)
+            settings = load_settings(SlimeSettings)
+            _SOURCE = RolloutSource(settings.slime, token=settings.internal.secret())
         return _SOURCE
 
 

@@ -11,7 +11,9 @@ uploaded stay pending for the next start); close the clients.
 
 Routes: `GET /get_data` (pull.py), `POST /receive` (seeds.py), `/healthz`, `/readyz`
 (Redis answers, the consumer runs, the bucket answers when archiving), `/metrics`.
-Errors use OpenAI's error shape: `{"error": {"message", "type", "code"}}`.
+`/get_data`, `/receive` and `/metrics` need the internal token (shared/auth.py; /metrics
+not when NEXTSTATE_INTERNAL__METRICS_PUBLIC): one hands out training data, the other
+injects it. Errors use OpenAI's error shape: `{"error": {"message", "type", "code"}}`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from services.buffer.pull import Puller
 from services.buffer.seeds import TurnBuilder, parse_records
 from services.buffer.settings import BufferSettings
 from shared import keys as K
+from shared.auth import Guard, InternalAuth
 from shared.consumer import Consumer, consumer_name
 from shared.errors import BusError, MalformedMessage
 from shared.schemas import Message, ScoredTurn, TrainBatch
@@ -109,6 +112,11 @@ def build_app(settings: BufferSettings) -> FastAPI:
             if cfg.tokenizer:
                 rt.builder = await asyncio.to_thread(load_builder, cfg.tokenizer)
             ledger = Ledger(bus, settings, cfg.session_ttl_s)
+            try:
+                await ledger.claim_prefix()  # RunMismatch: another run's prefix, refuse to start
+            except RedisError as exc:
+                log.warning("could not check which run owns the prefix (Redis down); going on",
+                            extra={"error": str(exc)})
             batcher = Batcher(
                 ledger.publish_batch, size=cfg.batch_size, max_wait_s=cfg.max_wait_s,
                 retry_max_s=cfg.publish_retry_max_s,
@@ -144,7 +152,7 @@ def build_app(settings: BufferSettings) -> FastAPI:
             log.info("buffer started", extra={
                 "consumer": name, "batch_size": cfg.batch_size, "mode": cfg.mode,
                 "max_staleness": cfg.max_staleness, "archive": cfg.archive,
-                "imports": rt.builder is not None})
+                "imports": rt.builder is not None, "auth": settings.internal.token is not None})
             try:
                 yield
             finally:
@@ -217,6 +225,7 @@ def build_app(settings: BufferSettings) -> FastAPI:
         log.exception("unhandled error", extra={"path": request.url.path})
         return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
+    app.add_middleware(InternalAuth, guard=Guard.of(settings.internal), refuse=lambda m: error(401, m))
     return app
 
 

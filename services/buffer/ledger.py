@@ -26,10 +26,13 @@ and several buffer replicas:
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 from services.buffer.batcher import Outcome
 from shared import keys as K
+from shared.runs import RunMismatch
 from shared.schemas import TrainBatch, TrainSample
 from shared.settings import Settings
 from shared.streams import PUBLISHED, SHED, Bus
@@ -211,6 +214,17 @@ class Ledger:
     async def ancestors_settled(self, session_id: str, index: int) -> bool:
         """Every earlier turn (index 0..index-1) of the session is decided."""
         return bool(await self._settled(keys=[self.keys.session_settled(session_id)], args=[index]))
+
+    async def claim_prefix(self) -> None:
+        """This prefix holds one run's turns: claim it for ours, or refuse another run's."""
+        mine = json.dumps({"run": self.run, "at": time.time()})
+        await self.bus.redis.set(self.keys.run_owner, mine, nx=True)
+        owner = json.loads(await self.bus.redis.get(self.keys.run_owner) or mine)
+        if owner.get("run") != self.run:
+            raise RunMismatch(
+                f"Redis prefix {self.keys.prefix!r} holds the turns of run {owner.get('run')!r}, not "
+                f"{self.run!r}: batching them would train one run on another's data. Give this run "
+                f"its own prefix (NEXTSTATE_REDIS__PREFIX) or set NEXTSTATE_RUN={owner.get('run')}")
 
     async def counts(self) -> dict[str, int]:
         raw = await self.bus.redis.hgetall(self.keys.buffer_counts)

@@ -77,7 +77,7 @@ async def run(settings: CollectorSettings) -> None:
         engine = make_engine_client(
             cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
             connect_timeout=cfg.engine_connect_timeout_s, max_connections=cfg.engine_max_connections,
-            transport=lean,
+            transport=lean, api_key=settings.internal.secret(),
         )  # fmt: skip
         stack.push_async_callback(engine.aclose)
         info: dict[str, Any] = {}
@@ -113,7 +113,7 @@ async def run(settings: CollectorSettings) -> None:
             if not await engine.health():
                 raise RuntimeError(f"the engine at {cfg.engine_url} is not healthy")
 
-        app = build_app(cfg, service, {"engine": engine_ready, "redis": bus.ping})
+        app = build_app(cfg, service, {"engine": engine_ready, "redis": bus.ping}, settings.internal)
         server = Server(uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_config=None, log_level="warning",
             access_log=False, http="httptools", lifespan="off", backlog=2048,

@@ -5,7 +5,11 @@ error shape: bearer key (401), body size (413, from Content-Length or while read
 JSON (400 invalid_json), schema and semantics (400 naming the `param`). Every answer
 carries `X-Policy-Version`: the engine weight version that produced it (for errors,
 the last one seen). `/healthz` is liveness, `/readyz` checks that the engine and Redis
-answer, `/metrics` is Prometheus.
+answer, `/metrics` is Prometheus (an internal endpoint: it needs the stack's internal
+token, not a user key, unless NEXTSTATE_INTERNAL__METRICS_PUBLIC; shared/auth.py).
+
+Routing errors answer in the same shape: another method on a chat path is a 405 (with
+`Allow: POST`), an unknown path a 404 (`Invalid URL (GET /v1/nope)`, as OpenAI says it).
 
 `/v1/chat/completions` is the hot path: `FastPath` hands it straight to its handler
 as an ASGI app, ahead of FastAPI's routing and middleware stack (measured: a fifth of
@@ -21,6 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from services.collector import metrics as M
@@ -28,6 +33,7 @@ from services.collector.completion import ChatService
 from services.collector.openai_shapes import ApiError, dumps, model_list
 from services.collector.request import build_call, parse_body
 from services.collector.settings import CollectorConfig
+from shared.settings import InternalSettings
 from shared.telemetry import add_ops_routes
 
 log = logging.getLogger(__name__)
@@ -88,6 +94,12 @@ class Guard:
 
 
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
+
+
+def _wrong_method(method: str, path: str, allowed: str) -> ApiError:
+    use = f": use {allowed}" if allowed else ""
+    return ApiError(405, f"{method} is not allowed on {path}{use}", code="method_not_allowed")
+
 PLAIN_OK = M.REQUESTS.labels("plain", "200")
 
 
@@ -101,7 +113,12 @@ class FastPath:
         self.guard = Guard(cfg)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in CHAT_PATHS and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["path"] in CHAT_PATHS:
+            if scope["method"] != "POST":
+                response = _error(_wrong_method(scope["method"], scope["path"], "POST"), self.service)
+                response.headers["allow"] = "POST"
+                await response(scope, receive, send)
+                return
             try:
                 response = await self.chat(scope, receive)
             except Exception as exc:
@@ -134,11 +151,12 @@ class FastPath:
 
 
 def build_app(
-    cfg: CollectorConfig, service: ChatService, checks: dict[str, Callable[[], Awaitable[object]]]
+    cfg: CollectorConfig, service: ChatService, checks: dict[str, Callable[[], Awaitable[object]]],
+    internal: InternalSettings | None = None,
 ) -> FastPath:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     guard = Guard(cfg)
-    add_ops_routes(app, checks)
+    add_ops_routes(app, checks, internal or InternalSettings())
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -148,6 +166,20 @@ def build_app(
             return _error(err, service)
         return Response(dumps(model_list(service.model_name)), media_type=JSON,
                         headers=service.headers())  # fmt: skip
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> Response:
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            err = ApiError(404, f"Invalid URL ({method} {path})", code="unknown_url")
+        elif exc.status_code == 405:
+            err = _wrong_method(method, path, (exc.headers or {}).get("Allow", ""))
+        else:
+            err = ApiError(exc.status_code, str(exc.detail))
+        response = _error(err, service)
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
 
     @app.exception_handler(Exception)
     async def unhandled(request: Request, exc: Exception) -> Response:

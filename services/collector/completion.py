@@ -8,9 +8,17 @@ assistant message (content, reasoning, tool calls); answer; hand the turn to cap
 
 Engine failures map to OpenAI-shaped errors: cannot connect / 5xx / the generation was
 aborted -> 502, no answer (or no next stream chunk) within the timeout -> 504, the
-engine refused the request (e.g. prompt too long) -> 400. In a stream, a failure after
-the first token is one `data: {"error": …}` event and the end of the stream (the
+engine refused the request (e.g. prompt too long, or a response_format schema its
+grammar compiler cannot use: `param` "response_format") -> 400. In a stream, a failure
+after the first token is one `data: {"error": …}` event and the end of the stream (the
 official SDK raises APIError); such a half-finished turn is never captured.
+
+`logprobs: true` returns the engine's log-prob of every sampled token but a matched stop
+token (which is not part of the answer), with `top_logprobs` alternatives asked of the
+engine as `top_logprobs_num`; in a stream each chunk carries the entries of the tokens
+that arrived since the previous chunk. A `response_format` travels to the engine as
+`SamplingParams.json_schema` (constrained decoding) and stays in the captured Turn's
+sampling params, marking the sample as constrained.
 """
 
 from __future__ import annotations
@@ -24,19 +32,36 @@ from typing import Any
 
 from services.collector import metrics as M
 from services.collector.capture import Capture, Lookup
-from services.collector.openai_shapes import ApiError, ChunkWriter, completion, completion_id, dumps
+from services.collector.openai_shapes import (
+    ApiError,
+    ChunkWriter,
+    TokenPieces,
+    completion,
+    completion_id,
+    dumps,
+    logprob_content,
+)
 from services.collector.pairing import candidates, prefix_hashes, response_hash
 from services.collector.request import ChatCall
 from services.collector.settings import CollectorConfig
 from shared.chat import ChatTemplate, ChatTemplateError, PromptCache
-from shared.engine_client import ChunkJoiner, EngineClient, GenerateChunk, GenerateResult
+from shared.engine_client import (
+    ChunkJoiner,
+    EngineClient,
+    GenerateChunk,
+    GenerateResult,
+    SamplingLike,
+)
+from shared.engine_client.base import TopLogprobs
 from shared.errors import EngineError, EngineRejected, EngineTimeout
 from shared.schemas import Turn
 from shared.toolcalls import (
+    SpecialText,
     StreamParser,
     delta_dicts,
     finish_reason,
     message_dict,
+    output_markers,
     parse_assistant,
     prompt_opens_reasoning,
 )
@@ -70,6 +95,8 @@ class Prepared:
     call: ChatCall
     ids: list[int]
     cache: PromptCache
+    sampling: SamplingLike  # the call's, asking to keep special tokens when `drop` is set
+    drop: SpecialText | None  # special tokens' text to remove from the output
     reasoning_open: bool | None
     hashes: list[bytes]
     lookup: Lookup
@@ -89,13 +116,45 @@ class ChatService:
         self.model_name = model_name
         self.weight_version = weight_version
         self.stop_ids = list(template.stop_token_ids)
+        self._pieces: TokenPieces | None = None
+
+    # -- log-probs ---------------------------------------------------------------------------
+
+    def _engine_kwargs(self, call: ChatCall) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"stop_token_ids": self.stop_ids}
+        if call.logprobs and call.top_logprobs > 0:
+            kwargs["top_logprobs_num"] = call.top_logprobs
+        return kwargs
+
+    def _engine_error(self, call: ChatCall, exc: EngineError) -> ApiError:
+        err = engine_error(exc)
+        if isinstance(exc, EngineRejected) and call.sampling.json_schema is not None and (
+            "json_schema" in str(exc) or "grammar" in str(exc) or "structured" in str(exc)
+        ):
+            err.param = "response_format"
+        return err
+
+    def _logprob_entries(
+        self, call: ChatCall, ids: list[int], logprobs: list[float], top: list[TopLogprobs],
+        matched_stop: int | str | None,
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        """OpenAI's `logprobs.content` for these sampled tokens, minus a matched stop token."""
+        n = len(ids)
+        if isinstance(matched_stop, int) and ids and ids[-1] == matched_stop:
+            n -= 1
+        if len(logprobs) < n:
+            raise ApiError(502, "the model server returned no log-probs for this answer",
+                           code="engine_logprobs", kind="server_error")  # fmt: skip
+        if self._pieces is None:
+            self._pieces = TokenPieces(self.template.tokenizer)
+        return logprob_content(self._pieces, ids[:n], logprobs[:n], top[:n], call.top_logprobs)
 
     # -- shared steps ----------------------------------------------------------------------
 
     async def prepare(self, call: ChatCall) -> Prepared:
         requested_at = time.time()
         try:
-            text = self.template.render(call.messages, call.tools)
+            prompt = self.template.render_prompt(call.messages, call.tools)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         hashes: list[bytes] = []
@@ -104,11 +163,20 @@ class ChatService:
             hashes = prefix_hashes(call.messages)
             cands = candidates(call.messages, hashes, self.cfg.max_pairing_candidates)
             lookup = await self.capture.begin(call.raw_messages, cands)
-        ids, cache = self.template.encode_text_incremental(text, lookup.cache)
+        try:
+            ids, cache = self.template.encode_rendering(prompt, lookup.cache)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
         M.TOKENIZE.labels("incremental" if lookup.cache is not None else "full").inc()
         session = call.session_hint or lookup.session_id or call.user or uuid.uuid4().hex
-        opens = prompt_opens_reasoning(text) if self.cfg.reasoning else None
-        return Prepared(call, ids, cache, opens, hashes, lookup, requested_at, session)
+        opens = prompt_opens_reasoning(prompt.text) if self.cfg.reasoning else None
+        # A tool-call or reasoning marker that is a special token must survive decoding.
+        markers = output_markers(self.cfg.tool_parser, tools_enabled=call.tools_enabled,
+                                 reasoning=self.cfg.reasoning)  # fmt: skip
+        drop = self.template.output_special_text(markers)
+        sampling: SamplingLike = call.sampling if drop is None else {
+            **call.sampling.model_dump(exclude_none=True), "skip_special_tokens": False}  # fmt: skip
+        return Prepared(call, ids, cache, sampling, drop, opens, hashes, lookup, requested_at, session)
 
     def _version(self, reported: str | None) -> str:
         if reported:
@@ -159,23 +227,30 @@ class ChatService:
         prep = await self.prepare(call)
         t_engine = time.perf_counter()
         try:
-            result = await self.engine.generate(prep.ids, call.sampling, stop_token_ids=self.stop_ids)
+            result = await self.engine.generate(prep.ids, prep.sampling, **self._engine_kwargs(call))
         except EngineError as exc:
-            raise engine_error(exc) from None
+            raise self._engine_error(call, exc) from None
         engine_s = time.perf_counter() - t_engine
         if result.finish_reason == "abort":
             raise _aborted()
         version = self._version(result.weight_version)
         msg = parse_assistant(
             result.text, tools_enabled=call.tools_enabled, parser=self.cfg.tool_parser,
-            reasoning=self.cfg.reasoning, reasoning_open=prep.reasoning_open,
+            reasoning=self.cfg.reasoning, reasoning_open=prep.reasoning_open, drop=prep.drop,
         )  # fmt: skip
         message = message_dict(msg)
         finish = finish_reason(msg, result.finish_reason)
         cid = completion_id()
+        logprobs = None
+        if call.logprobs:
+            entries = self._logprob_entries(
+                call, result.output_ids, result.output_logprobs, result.output_top_logprobs,
+                result.matched_stop if result.finish_reason == "stop" else None,
+            )  # fmt: skip
+            logprobs = {"content": entries, "refusal": None}
         body = completion(
             cid, int(time.time()), self.model_name, message, finish,
-            len(prep.ids), len(result.output_ids), f"nextstate-{version}",
+            len(prep.ids), len(result.output_ids), f"nextstate-{version}", logprobs,
         )  # fmt: skip
         await self._capture(prep, message, result, finish, cid)
         out = dumps(body)
@@ -190,13 +265,13 @@ class ChatService:
         """Start the engine stream and wait for its first chunk, so that a dead or stalled
         engine is still a plain 502/504 and the headers carry the serving version."""
         prep = await self.prepare(call)
-        chunks = self.engine.stream(prep.ids, call.sampling, stop_token_ids=self.stop_ids)
+        chunks = self.engine.stream(prep.ids, prep.sampling, **self._engine_kwargs(call))
         try:
             first = await anext(aiter(chunks))
         except (EngineError, StopAsyncIteration) as exc:
             await _aclose(chunks)
             if isinstance(exc, EngineError):
-                raise engine_error(exc) from None
+                raise self._engine_error(call, exc) from None
             raise _aborted() from None
         version = self._version(first.weight_version)
         return self._events(prep, chunks, first, version), self.headers(prep, version)
@@ -209,23 +284,34 @@ class ChatService:
         call = prep.call
         out = ChunkWriter(completion_id(), int(time.time()), self.model_name, f"nextstate-{version}")
         parser = StreamParser(call.tools_enabled, self.cfg.tool_parser, self.cfg.reasoning,
-                              prep.reasoning_open)  # fmt: skip
+                              prep.reasoning_open, drop=prep.drop)  # fmt: skip
         joiner = ChunkJoiner()
+        pending: list[dict[str, Any]] = []  # log-prob entries not sent yet
         yield out.delta({"role": "assistant", "content": ""})
         chunk = first
         try:
             while True:
                 joiner.add(chunk)
+                if call.logprobs:
+                    pending += self._logprob_entries(
+                        call, chunk.new_ids, chunk.new_logprobs, chunk.new_top_logprobs,
+                        chunk.matched_stop if chunk.finish_reason == "stop" else None,
+                    )  # fmt: skip
                 deltas = parser.feed(chunk.new_text) if chunk.new_text else []
                 if chunk.done:
                     deltas += parser.finish()
                 for d in delta_dicts(deltas):
-                    yield out.delta(d)
+                    lp = {"content": pending, "refusal": None} if pending else None
+                    pending = []
+                    yield out.delta(d, logprobs=lp)
                 if chunk.done:
                     break
                 chunk = await anext(aiter(chunks))
-        except (EngineError, StopAsyncIteration) as exc:
-            err = engine_error(exc) if isinstance(exc, EngineError) else _aborted()
+        except (ApiError, EngineError, StopAsyncIteration) as exc:
+            if isinstance(exc, ApiError):
+                err = exc
+            else:
+                err = self._engine_error(call, exc) if isinstance(exc, EngineError) else _aborted()
             M.REQUESTS.labels("stream", str(err.status)).inc()
             yield out.error(err)
             return
@@ -238,7 +324,7 @@ class ChatService:
             return
         message = message_dict(parser.message())
         finish = parser.finish_reason(result.finish_reason)
-        yield out.delta({}, finish)
+        yield out.delta({}, finish, logprobs={"content": pending, "refusal": None} if pending else None)
         await self._capture(prep, message, result, finish, out.id)
         if call.include_usage:
             yield out.usage(len(prep.ids), len(result.output_ids))

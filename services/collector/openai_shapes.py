@@ -1,16 +1,26 @@
-"""OpenAI's wire shapes: the errors, the completion, the stream chunks, the model list.
+"""OpenAI's wire shapes: the errors, the completion, the stream chunks, the model list,
+and token log-probs.
 
 Kept byte-cheap: responses are plain dicts serialized once with `json.dumps`, so the
 official SDKs parse them as OpenAI's own. Errors always have OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`, which the SDKs turn into their
-usual exceptions (AuthenticationError, BadRequestError, APIStatusError, …).
+usual exceptions (AuthenticationError, BadRequestError, NotFoundError, APIStatusError, …).
+
+Log-probs (`logprobs: true`) are OpenAI's `choices[].logprobs.content[]`: per sampled
+token its text, log-prob, UTF-8 `bytes` and `top_logprobs[]` (each with token, logprob,
+bytes). A token that is not valid UTF-8 on its own (part of a multi-byte character) is
+shown as `"bytes:\\xe2\\x80"`, as OpenAI does; its `bytes` are exact, so joining the
+bytes of every entry gives the text. The log-probs are the engine's: log_softmax(logits
+/ T) over the full vocabulary, the values captured for training.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from shared.errors import NextstateError
@@ -19,6 +29,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -63,6 +74,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def completion(
     cid: str, created: int, model: str, message: dict[str, Any], finish_reason: str,
     prompt_tokens: int, completion_tokens: int, fingerprint: str,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": cid,
@@ -71,7 +83,7 @@ def completion(
         "model": model,
         "system_fingerprint": fingerprint,
         "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
         "usage": usage(prompt_tokens, completion_tokens),
     }
@@ -91,8 +103,11 @@ class ChunkWriter:
         body = json.dumps(tail, ensure_ascii=False, separators=(",", ":"))
         return b"data: " + (self._head + "," + body[1:]).encode() + b"\n\n"
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def delta(
+        self, delta: dict[str, Any], finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:  # fmt: skip
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._event({"choices": [choice]})
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
@@ -112,3 +127,84 @@ def model_list(name: str, owned_by: str = "nextstate") -> dict[str, Any]:
         "object": "list",
         "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": owned_by}],
     }
+
+
+# -- token log-probs ------------------------------------------------------------------------------
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE uses -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback pieces
+
+
+class TokenPieces:
+    """Token id -> (text, UTF-8 bytes) as OpenAI reports them, cached per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}}
+        self._byte_level = self._is_byte_level(tokenizer)
+
+    @staticmethod
+    def _is_byte_level(tokenizer: Any) -> bool:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return False
+        try:
+            decoder = json.loads(backend.to_str()).get("decoder")
+        except (ValueError, AttributeError):
+            return False
+        return '"ByteLevel"' in json.dumps(decoder)
+
+    def raw(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if not isinstance(piece, str):
+            return b""
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        m = _BYTE_FALLBACK.match(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self.raw(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            hit = self._cache[token_id] = (text, list(raw))
+        return hit
+
+
+def logprob_content(
+    pieces: TokenPieces, ids: Sequence[int], logprobs: Sequence[float],
+    top: Sequence[Sequence[tuple[int, float]]], top_n: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """OpenAI's `logprobs.content` entries for sampled tokens (and their top alternatives)."""
+    out = []
+    for k, (tid, lp) in enumerate(zip(ids, logprobs, strict=True)):
+        text, raw = pieces.piece(tid)
+        alts = []
+        for alt_id, alt_lp in list(top[k])[:top_n] if k < len(top) else []:
+            alt_text, alt_raw = pieces.piece(alt_id)
+            alts.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
+        out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alts})
+    return out

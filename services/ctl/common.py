@@ -4,24 +4,78 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import re
+import sys
 import time
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.ctl.stacks import FoundStack, find_stack
 from shared.errors import BusError
 from shared.settings import Settings, load_settings
 from shared.streams import Bus
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
+def settings_from(args: argparse.Namespace, *, announce: bool = True) -> Settings:
+    """Settings for a CLI command: its flags, then NEXTSTATE_* variables, then the running
+    stack `nextstate up` recorded (services/ctl/stacks.py), then the defaults. Says on
+    stderr which deployment it will talk to."""
     settings = load_settings(Settings)
-    redis = settings.redis.model_copy(
-        update={k: v for k, v in (("url", args.redis_url), ("prefix", args.prefix)) if v}
-    )
-    return settings.model_copy(update={"redis": redis})
+    flags = {k: v for k, v in (("url", getattr(args, "redis_url", None)),
+                               ("prefix", getattr(args, "prefix", None))) if v}
+    stack = None
+    if "url" not in flags and "NEXTSTATE_REDIS__URL" not in os.environ:
+        stack = find_stack()
+    if stack is not None:
+        settings = with_stack(settings, stack)
+    settings = settings.model_copy(update={"redis": settings.redis.model_copy(update=flags)})
+    if announce:
+        if stack is not None:
+            where = stack.describe()
+        elif "url" in flags:
+            where = f"Redis at {redact(settings.redis.url)} (--redis-url)"
+        elif "NEXTSTATE_REDIS__URL" in os.environ:
+            where = f"Redis at {redact(settings.redis.url)} (NEXTSTATE_REDIS__URL)"
+        else:
+            where = f"Redis at {settings.redis.url} (the default: no running `nextstate up` found)"
+        print(f"nextstate: {where}, prefix {settings.redis.prefix}, run {settings.run}", file=sys.stderr)
+    return settings
+
+
+def with_stack(settings: Settings, stack: FoundStack) -> Settings:
+    """`settings` pointed at `stack`, except where a NEXTSTATE_* variable says otherwise."""
+    rec, sec = stack.record, stack.secrets
+    env = os.environ
+    redis: dict[str, Any] = {"url": sec.get("redis_url") or rec.get("redis_url") or settings.redis.url}
+    if "NEXTSTATE_REDIS__PREFIX" not in env and rec.get("prefix"):
+        redis["prefix"] = rec["prefix"]
+    update: dict[str, Any] = {"redis": settings.redis.model_copy(update=redis)}
+    if "NEXTSTATE_RUN" not in env and rec.get("run"):
+        update["run"] = rec["run"]
+    bucket: dict[str, Any] = {}
+    if "NEXTSTATE_BUCKET__ENDPOINT" not in env and (rec.get("bucket") or {}).get("endpoint"):
+        bucket = {"endpoint": rec["bucket"]["endpoint"], "name": rec["bucket"].get("name", settings.bucket.name)}
+        if sec.get("bucket_access_key") and sec.get("bucket_secret_key"):
+            bucket.update(access_key=sec["bucket_access_key"], secret_key=SecretStr(sec["bucket_secret_key"]))
+    if bucket:
+        update["bucket"] = settings.bucket.model_copy(update=bucket)
+    return settings.model_copy(update=update)
+
+
+def redact(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.netloc.rpartition("@")[0].partition(":")[0]
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def open_bus(args: argparse.Namespace) -> Bus:

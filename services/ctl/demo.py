@@ -26,6 +26,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.ctl.stacks import endpoint
+
 QUESTIONS = [
     "What is the capital of France?", "What do bees make?", "How many legs does a spider have?",
     "What color is the sky on a clear day?", "What is 7 times 8?", "Who wrote Romeo and Juliet?",
@@ -108,7 +110,8 @@ class Tally:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="drive the collector with a simulated user and show the reward trend")
-    p.add_argument("--url", default=os.environ.get("NEXTSTATE_DEMO_URL", "http://127.0.0.1:8000/v1"))
+    p.add_argument("--url", default=None, help="the OpenAI base URL (NEXTSTATE_DEMO_URL, else the running "
+                                                 "`nextstate up`'s collector, else http://127.0.0.1:8000/v1)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "local"))
     p.add_argument("--model", default="policy", help="model name sent to the collector")
     p.add_argument("--task", choices=sorted(TASKS), default="short")
@@ -156,6 +159,7 @@ async def demo(args: argparse.Namespace) -> int:
     task = TASKS[args.task]
     tally = Tally()
     deadline = time.monotonic() + args.minutes * 60
+    args.url = endpoint(args.url, "NEXTSTATE_DEMO_URL", "collector", "http://127.0.0.1:8000/v1", "/v1")
     client = AsyncOpenAI(base_url=args.url, api_key=args.api_key, timeout=120.0, max_retries=1)
     rng = random.Random(args.seed)
     stop = asyncio.Event()

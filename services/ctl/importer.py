@@ -9,6 +9,10 @@ with a progress line per chunk; the buffer tokenizes them and publishes `Turn`s 
 so a retried chunk imports nothing twice. A malformed line or record stops the import
 and names its line.
 
+`/receive` needs the stack's internal token: `NEXTSTATE_INTERNAL__TOKEN`, else, for a buffer
+on this machine, the one the running `nextstate up` recorded in its secrets.json
+(services/ctl/stacks.py); a 401 says what to set.
+
 `--mock N` generates N synthetic conversations (1–5 main turns, some side turns,
 positive and negative next states, some final turns without one) to exercise the
 pipeline without an agent. Progress lines never print conversation text.
@@ -18,20 +22,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
+from services.ctl.stacks import endpoint, find_stack
+from shared.auth import bearer
 from shared.errors import NextstateError
+from shared.settings import Settings, load_settings
 
 DEFAULT_URL = "http://127.0.0.1:8200"
 URL_ENV = "NEXTSTATE_BUFFER_URL"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def register(sub: Any) -> None:
@@ -44,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", help="JSONL file, one record per line ('-': stdin)")
     p.add_argument("--mock", type=int, metavar="N", help="send N synthetic conversations instead")
     p.add_argument("--seed", type=int, default=0, help="random seed for --mock (default 0)")
-    p.add_argument("--url", default=os.environ.get(URL_ENV, DEFAULT_URL),
-                   help=f"the buffer's base URL (${URL_ENV}, default {DEFAULT_URL})")
+    p.add_argument("--url", default=None,
+                   help=f"the buffer's base URL (${URL_ENV}, else the running `nextstate up`'s, "
+                        f"else {DEFAULT_URL})")
     p.add_argument("--chunk", type=int, default=100, help="records per request (default 100)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
     p.add_argument("--retries", type=int, default=8, help="tries per chunk on 503 or no answer")
@@ -119,6 +128,11 @@ def send_chunk(client: httpx.Client, url: str, chunk: list[tuple[int, Any]], ret
                 out: dict[str, Any] = resp.json()
                 return out
             message = _message(resp)
+            if resp.status_code == 401:
+                raise NextstateError(
+                    f"the buffer at {url} refused the credential (HTTP 401): {message}. Set "
+                    "NEXTSTATE_INTERNAL__TOKEN to the stack's internal token (`nextstate up` keeps "
+                    "it in <home>/up/<run>/secrets.json)")
             if resp.status_code != 503:
                 lines = f"{where} {chunk[0][0]}-{chunk[-1][0]}"
                 raise NextstateError(f"the buffer refused {lines} (HTTP {resp.status_code}): {message}")
@@ -138,12 +152,21 @@ def _message(resp: httpx.Response) -> str:
         return resp.text[:300]
 
 
+def internal_token(url: str) -> str | None:
+    """NEXTSTATE_INTERNAL__TOKEN, else (for a buffer on this machine) the token the
+    running `nextstate up` recorded; a remote buffer never gets a local stack's token."""
+    token = load_settings(Settings).internal.secret()
+    if token is None and urlsplit(url).hostname in LOOPBACK and (stack := find_stack()) is not None:
+        token = stack.secrets.get("internal_token") or None
+    return token
+
+
 def run_import(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.mock is None):
         raise NextstateError("give a JSONL file or --mock N (one of the two)")
     if args.chunk < 1:
         raise NextstateError("--chunk must be at least 1")
-    url = args.url.rstrip("/")
+    url = endpoint(args.url, URL_ENV, "buffer", DEFAULT_URL).rstrip("/")
     totals = {"records": 0, "published": 0, "side": 0, "untrainable": 0}
     handle = None
     if args.mock is not None:
@@ -159,7 +182,7 @@ def run_import(args: argparse.Namespace) -> int:
             raise NextstateError(f"cannot read {path}: {exc.strerror}") from None
         items, where = read_jsonl(handle), "lines"
     try:
-        with httpx.Client(timeout=args.timeout) as client:
+        with httpx.Client(timeout=args.timeout, headers=bearer(internal_token(url))) as client:
             for chunk in chunks(items, args.chunk):
                 result = send_chunk(client, url, chunk, args.retries, where)
                 for k in totals:

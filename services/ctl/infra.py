@@ -74,13 +74,16 @@ def pick_port(preferred: int) -> int:
     return preferred if port_is_free(preferred) else free_port()
 
 
-def redis_argv(port: int, workdir: Path, *, persist: bool) -> list[str]:
+def redis_argv(port: int, workdir: Path, *, persist: bool, aclfile: Path | None = None) -> list[str]:
     """A loopback-only redis-server; `persist` turns the append-only file on, fsynced on
-    every write, so that a SIGKILLed Redis (or machine) loses no acknowledged entry."""
+    every write, so that a SIGKILLed Redis (or machine) loses no acknowledged entry.
+    `aclfile`: its users (services/ctl/redis_acl.py), loaded at every start, so a
+    restarted Redis has them again; without one, the `default` user needs no password."""
     durability = ["--appendonly", "yes", "--appendfsync", "always"] if persist else ["--appendonly", "no"]
+    users = ["--aclfile", str(aclfile.resolve())] if aclfile is not None else []
     return [
         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-        "--dir", str(workdir), "--save", "", *durability, "--protected-mode", "no",
+        "--dir", str(workdir), "--save", "", *durability, "--protected-mode", "no", *users,
     ]
 
 
@@ -115,15 +118,19 @@ def weed_ports(preferred: dict[str, int] | None = None) -> dict[str, int]:
     return ports
 
 
-def weed_argv(workdir: Path, ports: dict[str, int], bucket: str) -> list[str]:
+def weed_argv(workdir: Path, ports: dict[str, int], bucket: str, s3_config: Path | None = None) -> list[str]:
     """SeaweedFS as one process serving S3 on loopback, creating `bucket` at start.
 
-    Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in its environment.
+    Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in its environment,
+    or, with `s3_config`, from that identities file (services/ctl/bucket_roles.py); then
+    the filer's, master's and volume server's HTTP APIs are off too (only S3 is served;
+    run it in a folder whose security.toml locks the gRPC ports).
     """
+    closed = ["-disableHttp", f"-s3.config={s3_config}"] if s3_config is not None else []
     return [
         weed_binary(), "mini", f"-dir={workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-bucket={bucket}", *(f"-{name}.port={ports[name]}" for name in WEED_SERVERS),
-        "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", *closed,
     ]
 
 

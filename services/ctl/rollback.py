@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from services.ctl.common import settings_from
 from shared import checkpoints as ckpt
-from shared.settings import Settings, load_settings
 from shared.store import Bucket
 
 
@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
 
 
 def rollback(args: argparse.Namespace) -> int:
-    settings = load_settings(Settings)
+    settings = settings_from(args)
     run = args.run or settings.run
     with Bucket(settings.bucket) as bucket:
         latest = ckpt.read_latest(bucket, run)

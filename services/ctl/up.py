@@ -17,8 +17,17 @@ and binding it moves that service to another port before anything depends on it.
 Every consumer has a stable name, so a restarted one takes back its own pending entries
 at once: `judge-<i>`, `buffer`, and the trainer's default `trainer-<run>`.
 
+The Redis `up` starts has a password and one ACL user per service role
+(services/ctl/redis_acl.py): new random passwords each start, in `<home>/up/<run>/redis.acl`
+(owner-only, hashed), which redis-server loads at every (re)start. Each service gets its
+own role's `NEXTSTATE_REDIS__URL`; the supervisor and the CLI use the `ctl` user
+(`redis_url` in secrets.json), and `redis_admin_url` there is the `default` (admin) user.
+
 Secrets a stack generates (credentials the CLI needs to talk to it) go to
-`<home>/up/<run>/secrets.json`, readable by its owner only (`Stack.add_secrets`).
+`<home>/up/<run>/secrets.json`, readable by its owner only (`Stack.add_secrets`). One is
+`internal_token`: every internal endpoint (engine, buffer, ops `/metrics`) requires it;
+`NEXTSTATE_INTERNAL__TOKEN` when set, else a new random one per start (`internal_token`).
+Readiness checks use the open probes (`/health`, `/readyz`).
 
 The stack record `<home>/up/<run>/stack.json` says what runs where, for the CLI: `pid`
 (of `up`), `started_at`, `run`, `prefix`, `redis_url` (password hidden), `bucket`
@@ -43,13 +52,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from services.ctl import infra
+from pydantic import SecretStr
+
+from services.ctl import bucket_roles, infra, redis_acl
+from services.ctl.common import redact
 from services.ctl.models import ensure_default_model, home
+from services.ctl.runcheck import check_home, check_stack, write_home
 from services.ctl.supervisor import LOUD, Proc, ProcessFailed, Ready, Supervisor, http_ready
 from shared.keys import Keys
-from shared.settings import DEV_BUCKET_KEYS, Settings, load_settings
+from shared.runs import RunMismatch, RunRecord, record_for
+from shared.settings import Settings, load_settings
 
 PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "trainer": 9103,
          "watcher": 9104, "redis": 6390, "s3": 8333}
@@ -69,6 +82,7 @@ def register(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="samples per training batch")
     p.add_argument("--max-wait", type=float, default=20.0, help="seconds before a partial batch trains")
     p.add_argument("--home", type=Path, help="state folder (default $NEXTSTATE_HOME or ~/.cache/nextstate)")
+    p.add_argument("--run", help="run name (default NEXTSTATE_RUN, else 'default'); one base model per run")
     p.add_argument("--no-train", action="store_true", help="collect and judge only (no trainer, watcher)")
     p.set_defaults(func=main)
 
@@ -89,21 +103,13 @@ def _python(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def redact(url: str) -> str:
-    """`url` with its password (if any) replaced by `***`."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.netloc.rpartition("@")[0].partition(":")[0]
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+def _redis_ready(url: str) -> Ready:
+    """Redis answers `url`'s user: up, and its aclfile loaded."""
 
-
-def _redis_ready(port: int) -> Ready:
     async def ready() -> bool:
         import redis.asyncio as aioredis
 
-        client = aioredis.Redis(port=port, socket_connect_timeout=1, socket_timeout=1)
+        client = aioredis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
         try:
             return bool(await client.ping())
         except Exception:
@@ -137,11 +143,13 @@ class Stack:
         self.record_path = self.root / "stack.json"
         self.secrets_path = self.root / "secrets.json"
         self.secrets: dict[str, str] = {}
+        self.bucket_creds: dict[str, bucket_roles.Credentials] = {}
         self.sup = sup or Supervisor()
         self.sup.on_change = self._changed
         self.env: dict[str, str] = {"NEXTSTATE_RUN": settings.run}
         self.ports: dict[str, int] = {}
-        self.redis_url = settings.redis.url
+        self.redis_url = settings.redis.url  # up's own (the ctl user's when up runs Redis)
+        self.redis_urls: dict[str, str] = {}  # ACL user -> URL, when up runs Redis
         self.bucket_endpoint = settings.bucket.endpoint
         self.started_at = time.time()
         self._recorded: object = None
@@ -192,37 +200,40 @@ class Stack:
         else:
             data = self.root / "redis"
             data.mkdir(parents=True, exist_ok=True)
+            # One ACL user per service role, new passwords on every start, in an owner-only
+            # aclfile that redis-server loads at each (re)start (services/ctl/redis_acl.py).
+            passwords = redis_acl.new_passwords()
+            users = redis_acl.write_aclfile(self.root / "redis.acl", passwords, self.settings.redis.prefix)
 
             def redis(port: int) -> Proc:
-                self.redis_url = f"redis://127.0.0.1:{port}/0"
-                self.env["NEXTSTATE_REDIS__URL"] = self.redis_url
-                return Proc("redis", infra.redis_argv(port, data, persist=True), ready=_redis_ready(port),
-                            serving_path=True, port=port, state_store=True)
+                self.redis_urls = {u: redis_acl.url(u, pw, "127.0.0.1", port) for u, pw in passwords.items()}
+                self.redis_url = self.redis_urls["ctl"]  # the supervisor's writes, the CLI
+                return Proc("redis", infra.redis_argv(port, data, persist=True, aclfile=users),
+                            ready=_redis_ready(self.redis_url), serving_path=True, port=port, state_store=True)
 
             await self.sup.start(self.movable("redis", PORTS["redis"], redis))
+            self.add_secrets(redis_url=self.redis_url, redis_admin_url=self.redis_urls[redis_acl.ADMIN])
             self.sup.report_states(self.redis_url, services_key)
         if "NEXTSTATE_BUCKET__ENDPOINT" in os.environ:
             self.sup.say("up", f"using the bucket at {self.settings.bucket.endpoint}")
             return
         data = self.root / "s3"
         data.mkdir(parents=True, exist_ok=True)
-        access, secret = DEV_BUCKET_KEYS
-        if self.settings.env == "prod":  # never the well-known keys outside dev
-            access, secret = "nextstate", secrets.token_urlsafe(24)
+        # Only the S3 endpoint, with one identity per role (services/ctl/bucket_roles.py):
+        # fresh keys at every start, the other weed ports closed.
+        self.bucket_creds = bucket_roles.new_credentials()
+        admin = self.bucket_creds["admin"]
         bucket = self.settings.bucket.name
+        config = bucket_roles.write_weed_s3_config(data / "identities.json", bucket, self.bucket_creds)
+        workdir = await asyncio.to_thread(bucket_roles.ensure_grpc_tls, data)
+        self.add_secrets(bucket_access_key=admin.access_key, bucket_secret_key=admin.secret_key)
 
         def s3(port: int) -> Proc:
             ports = infra.weed_ports({"s3": port})  # moves s3 too if port + 10000 is taken
             self.ports["s3"] = ports["s3"]
             self.bucket_endpoint = f"127.0.0.1:{ports['s3']}"
-            self.env.update({
-                "NEXTSTATE_BUCKET__ENDPOINT": self.bucket_endpoint,
-                "NEXTSTATE_BUCKET__ACCESS_KEY": access, "NEXTSTATE_BUCKET__SECRET_KEY": secret,
-                "NEXTSTATE_BUCKET__NAME": bucket, "NEXTSTATE_BUCKET__SECURE": "false",
-            })
-            return Proc("s3", infra.weed_argv(data, ports, bucket),
-                        env={"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret},
-                        ready=_bucket_ready(self.bucket_endpoint, access, secret, bucket),
+            return Proc("s3", infra.weed_argv(data, ports, bucket, s3_config=config), cwd=str(workdir),
+                        ready=_bucket_ready(self.bucket_endpoint, admin.access_key, admin.secret_key, bucket),
                         serving_path=True, port=ports["s3"])
 
         await self.sup.start(self.movable("s3", PORTS["s3"], s3))
@@ -236,13 +247,19 @@ class Stack:
             fixed = int(os.environ[port_var])
 
         def build(port: int) -> Proc:
-            merged = {**self.env, **env, port_var: str(port)}
+            merged = {**self.env, **self.redis_env(name), **env, port_var: str(port)}
             # The user's own NEXTSTATE_* settings win over the defaults chosen here.
             merged = {k: v for k, v in merged.items() if k not in os.environ or k in self.env}
             return Proc(name, _python(module), env=merged, ready=http_ready(f"http://127.0.0.1:{port}{ready_path}"),
                         ready_timeout_s=ready_timeout_s, serving_path=serving_path, port=port)
 
         return self.movable(name, preferred, build, fixed)
+
+    def redis_env(self, name: str) -> dict[str, str]:
+        """The Redis URL of process `name`'s ACL user (`judge-0` -> judge), when up runs Redis."""
+        role = name.split("-")[0]
+        url = self.redis_urls.get(role) if role in redis_acl.SERVICE_ROLES else None
+        return {"NEXTSTATE_REDIS__URL": url} if url else {}
 
     async def services(self, model: Path) -> None:
         a = self.args
@@ -276,6 +293,7 @@ class Stack:
             "NEXTSTATE_BUFFER__MAX_WAIT_S": str(a.max_wait),
             "NEXTSTATE_BUFFER__TOKENIZER": m,
             "NEXTSTATE_BUFFER__CONSUMER_NAME": "buffer",
+            **self.bucket_role("buffer"),
         }, "/readyz", "NEXTSTATE_BUFFER__PORT", PORTS["buffer"]))
         if a.no_train:
             return
@@ -283,6 +301,7 @@ class Stack:
             "NEXTSTATE_TRAINER__MODEL": m,
             "NEXTSTATE_TRAINER__LOSS_MODE": a.mode,
             "NEXTSTATE_TRAINER__WORK_DIR": str(self.root / "trainer"),
+            **self.bucket_role("trainer"),
         }
         if a.lr is not None:
             trainer_env["NEXTSTATE_TRAINER__LR"] = str(a.lr)
@@ -291,12 +310,37 @@ class Stack:
         await self.sup.start(self.service("watcher", "services.watcher", {
             "NEXTSTATE_WATCHER__ENGINE_URL": engine,
             "NEXTSTATE_WATCHER__LOCAL_DIR": str(self.root / "checkpoints"),
+            **self.bucket_role("watcher"),
         }, "/readyz", "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
 
-    async def start(self, model: Path) -> None:
+    async def start(self, model: Path, identity: RunRecord | None = None) -> None:
         await self.infrastructure()
+        if identity is not None:  # the bucket's and Redis's idea of this run, before any service
+            await check_stack(self.stack_settings(), identity)
+            write_home(self.root, identity)
         await self.services(model)
         self.write_record()
+
+    def bucket_role(self, role: str) -> dict[str, str]:
+        """The bucket of this stack with `role`'s keys, for a service's environment; only
+        services with a role get the bucket at all (none: a bucket we did not start, whose
+        NEXTSTATE_BUCKET__* settings the services read from the environment)."""
+        creds = self.bucket_creds.get(role)
+        if creds is None:
+            return {}
+        return {"NEXTSTATE_BUCKET__ENDPOINT": self.bucket_endpoint, "NEXTSTATE_BUCKET__SECURE": "false",
+                "NEXTSTATE_BUCKET__NAME": self.settings.bucket.name, **creds.env()}
+
+    def stack_settings(self) -> Settings:
+        """The shared settings as `up` itself sees them (its Redis, its bucket, as admin)."""
+        bucket: dict[str, Any] = {"endpoint": self.bucket_endpoint}
+        if "admin" in self.bucket_creds:
+            admin = self.bucket_creds["admin"]
+            bucket.update(access_key=admin.access_key, secret_key=SecretStr(admin.secret_key),
+                          region=bucket_roles.REGION)
+        return self.settings.model_copy(update={
+            "redis": self.settings.redis.model_copy(update={"url": self.redis_url}),
+            "bucket": self.settings.bucket.model_copy(update=bucket)})
 
     # -- the stack record ------------------------------------------------------------------
     def _url_of(self, p: Proc) -> str | None:
@@ -362,16 +406,33 @@ class Stack:
         say("up", "try: nextstate demo   |   nextstate status   |   nextstate tail turns -f   |   Ctrl-C stops")
 
 
+def internal_token() -> str:
+    """The stack's internal credential: NEXTSTATE_INTERNAL__TOKEN when set, else a new random
+    one for this start. Put into `up`'s own environment, which the settings and every
+    service inherit; recorded in secrets.json for the CLI (`nextstate import`)."""
+    token = os.environ.get("NEXTSTATE_INTERNAL__TOKEN", "").strip() or secrets.token_urlsafe(32)
+    os.environ["NEXTSTATE_INTERNAL__TOKEN"] = token
+    return token
+
+
 async def up(args: argparse.Namespace, model: Path) -> int:
-    settings = load_settings(Settings)
+    token = internal_token()
+    settings = load_settings(Settings, **({"run": args.run} if args.run else {}))
     stack = Stack(args, settings)
+    stack.add_secrets(internal_token=token)
     say = stack.sup.say
+    identity = await asyncio.to_thread(record_for, settings.run, model)
+    try:
+        check_home(stack.root, identity)
+    except RunMismatch as exc:
+        say("up", f"error: {exc}", LOUD)
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     say("up", f"model {model}")
-    starting = asyncio.create_task(stack.start(model))
+    starting = asyncio.create_task(stack.start(model, identity))
     stopped = asyncio.create_task(stop.wait())
     try:
         done, _ = await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -380,7 +441,7 @@ async def up(args: argparse.Namespace, model: Path) -> int:
             stack.announce()
             await stopped  # a failing service is restarted, never a reason to stop the stack
         return 0
-    except (ProcessFailed, RuntimeError) as exc:
+    except (ProcessFailed, RuntimeError, RunMismatch) as exc:
         say("up", f"error: {exc}", LOUD)
         return 1
     finally:

@@ -59,7 +59,7 @@ async def run(settings: EngineSettings) -> None:
     engine = Engine(model, load_tokenizer(tokenizer_path), cfg, decoder=load_tokenizer(tokenizer_path))
     server = Server(
         uvicorn.Config(
-            build_app(engine),
+            build_app(engine, settings.internal),
             host=cfg.host,
             port=cfg.port,
             log_config=None,  # keep shared.telemetry's logging

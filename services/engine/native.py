@@ -5,7 +5,9 @@ Shapes follow SGLang's `http_server.py`: `/generate` answers
 `data: {json}\\n\\n` … `data: [DONE]\\n\\n` whose chunks are cumulative (text,
 output_ids and output log-probs so far — SGLang's default, without
 `--incremental-streaming-output`). A failed weight update answers 400 with
-`success: false`, as SGLang does.
+`success: false`, as SGLang does. A request with a grammar (`json_schema` or `ebnf`) has
+it compiled in a worker thread before it is queued; a grammar that does not compile is
+a 400 naming the problem.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from services.engine.engine import Engine
+from services.engine.grammar import GrammarError, compile_grammar
 from services.engine.protocol import BadRequest, error_body, parse_generate, sglang_output
 from services.engine.request import GenParams, Job
 from services.engine.sampling import SamplingConfig
@@ -94,8 +97,12 @@ def router(engine: Engine) -> APIRouter:
                 context_length=engine.context_length,
                 default_max_new_tokens=engine.cfg.default_max_new_tokens,
             )
+            if params.grammar_spec is not None:
+                params.grammar = await asyncio.to_thread(
+                    compile_grammar, params.grammar_spec, engine.tokenizer_path, engine.vocab_size
+                )
             job = engine.submit(params)
-        except BadRequest as exc:
+        except (BadRequest, GrammarError) as exc:
             return _json_error(400, str(exc), "BadRequest")
         except EngineUnavailable as exc:
             return _json_error(503, str(exc), "ServiceUnavailable")

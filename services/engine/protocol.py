@@ -2,9 +2,14 @@
 
 Field names and defaults are SGLang's (`GenerateReqInput`, `SamplingParams`); an
 unknown sampling parameter is an error as it is there. `seed` is accepted as an alias
-of SGLang's `sampling_seed`. Features this engine does not implement (penalties,
-grammars, n > 1, multimodal inputs, batches) are refused with a 400 that names them,
-rather than silently ignored.
+of SGLang's `sampling_seed`. Grammars — `json_schema` (`"$$ANY$$"`: any JSON) or
+`ebnf`, at most one — become a `GrammarSpec`, compiled by the HTTP layer off the event
+loop (`grammar.compile_grammar`) before the request is submitted. Features this engine
+does not implement (penalties, `regex`, `structural_tag`, `stop_regex`, `logit_bias`,
+n > 1, multimodal inputs, batches) are refused with a 400 that names them, rather than
+silently ignored. (`regex` compiles like the others — grammar.py supports it — but stays
+refused while tests/integration/test_engine.py pins it as unsupported; adding it to
+`GRAMMAR_KINDS` enables it.)
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from services.engine.grammar import GrammarKind, GrammarSpec
 from services.engine.request import GenParams, Snapshot
 from services.engine.sampling import SamplingConfig
 from shared.errors import MalformedMessage
@@ -86,10 +92,25 @@ def _unsupported(sp: SGLangSampling) -> list[str]:
         value = getattr(sp, name)
         if value is not None and value != neutral:
             bad.append(f"{name}={value}")
-    for name in ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias"):
+    for name in ("regex", "stop_regex", "structural_tag", "logit_bias"):
         if getattr(sp, name):
             bad.append(name)
     return bad
+
+
+GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "ebnf")
+
+
+def _grammar(sp: SGLangSampling) -> GrammarSpec | None:
+    given = [(kind, getattr(sp, kind)) for kind in GRAMMAR_KINDS if getattr(sp, kind) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"send at most one of {', '.join(GRAMMAR_KINDS)} (got {', '.join(k for k, _ in given)})")
+    if not given:
+        return None
+    kind, source = given[0]
+    if not source.strip():
+        raise BadRequest(f"{kind} must not be empty")
+    return GrammarSpec(kind, source)
 
 
 def sampling_to_params(
@@ -142,6 +163,7 @@ def sampling_to_params(
         no_stop_trim=bool(sp.no_stop_trim),
         seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
         stream_interval=interval,
+        grammar_spec=_grammar(sp),
     )
 
 

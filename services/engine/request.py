@@ -5,7 +5,9 @@ JSON). `Job` holds everything that request accumulates — its KV cache, sampled
 and log-probs, its generator — and `Job.step` advances it by exactly one forward pass
 and one sampled token (`Job.take` is the sampling half, for a step the decode batch
 ran for it). A job is bound to the weights it was admitted with: it never
-sees two sets of weights.
+sees two sets of weights. A request with a grammar (`GenParams.grammar`, compiled by
+`grammar.py` before it is submitted) samples every token through its `Constraint`'s
+mask, in whichever path computed the logits; the log-probs it records stay unmasked.
 
 Finish reasons follow SGLang's shapes: {"type": "length", "length": n},
 {"type": "stop", "matched": token_id | "stop string"}, {"type": "abort", "message": …}.
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from services.engine import text as textmod
+from services.engine.grammar import CompiledGrammar, Constraint, GrammarSpec
 from services.engine.model import LoadedModel
 from services.engine.sampling import (
     SamplingConfig,
@@ -51,6 +54,8 @@ class GenParams:
     top_logprobs_num: int = 0
     stream: bool = False
     stream_interval: int = 1
+    grammar_spec: GrammarSpec | None = None  # what the request asked for
+    grammar: CompiledGrammar | None = None  # compiled from it before submission
 
 
 @dataclass
@@ -95,6 +100,7 @@ class Job:
         self.emitted_text = ""
         self.sent_tokens = 0
         self.prefilled = False
+        self.constraint: Constraint | None = None
 
     # -- binding and delivery -------------------------------------------------------
 
@@ -102,6 +108,8 @@ class Job:
         self.model, self.weight_version, self.tokenizer = model, version, tokenizer
         self.eos, self.context_length = eos, ctx
         self.cache = model.new_cache()
+        if self.params.grammar is not None and self.constraint is None:
+            self.constraint = Constraint(self.params.grammar, eos | self.params.stop_token_ids)
 
     def deliver(self, item: Snapshot | BaseException) -> None:
         """Hand an output to the waiting coroutine (safe from any thread)."""
@@ -131,7 +139,11 @@ class Job:
         """Sample the next token from this step's next-token logits (V,), and record it.
         (A decode step of the batch computes the logits for every member at once.)"""
         p = self.params
-        token, lp = sample_token(logits, p.sampling, self.generator)
+        c = self.constraint
+        allowed = c.allowed(int(logits.shape[-1])) if c is not None else None
+        token, lp = sample_token(logits, p.sampling, self.generator, allowed)
+        if c is not None:
+            c.accept(token)
         self.output_ids.append(token)
         if p.return_logprob:
             self.output_logprobs.append((lp, token))
@@ -139,6 +151,8 @@ class Job:
                 scaled = scaled_logprobs(logits, p.sampling.temperature)
                 self.output_top.append(top_logprobs(scaled, p.top_logprobs_num))
         self._check_finished()
+        if self.finish is None and c is not None and c.terminated:
+            self.finish = {"type": "stop", "matched": token}  # the grammar ended (ignore_eos too)
 
     def _prefill(self) -> torch.Tensor:
         assert self.model is not None

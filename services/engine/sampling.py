@@ -12,6 +12,12 @@ sampled token's log-prob and its teacher-forced score agree.
 
 Sampling is an inverse-CDF draw with one uniform from a per-request CPU generator: a
 seeded request samples the same tokens whatever else the engine is doing.
+
+Constrained decoding (a grammar, services/engine/grammar.py) passes `allowed`, the
+tokens the grammar lets through at this step: the sample is drawn from the tempered
+distribution restricted to them (renormalised; top-k/top-p measured within them, as
+SGLang and vLLM apply the grammar mask before top-k/top-p). The reported log-prob stays
+the unmasked full-vocabulary value above, so that the trainer's recomputation agrees.
 """
 
 from __future__ import annotations
@@ -79,16 +85,34 @@ def keep_mask(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return keep
 
 
+class NoAllowedToken(ValueError):
+    """A constrained step whose grammar lets no token through (a bug, never a user error)."""
+
+
 def sample_token(
-    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
+    logits: torch.Tensor,
+    cfg: SamplingConfig,
+    generator: torch.Generator | None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[int, float]:
-    """Choose the next token from one logits row; return (token id, reported log-prob)."""
+    """Choose the next token from one logits row; return (token id, reported log-prob).
+
+    `allowed` (V,) bool restricts the choice to a grammar's tokens; the reported log-prob
+    is the full-vocabulary one either way.
+    """
     logprobs = scaled_logprobs(logits, cfg.temperature)
+    base = logprobs
+    if allowed is not None:
+        if not bool(allowed.any()):
+            raise NoAllowedToken("the grammar allows no token at this step")
+        base = torch.where(allowed, logprobs, torch.full_like(logprobs, -math.inf))
     if cfg.greedy:
-        token = int(torch.argmax(logprobs))  # the first of equal maxima, deterministically
+        token = int(torch.argmax(base))  # the first of equal maxima, deterministically
         return token, float(logprobs[token])
-    keep = keep_mask(logprobs, cfg.top_k, cfg.top_p)
-    probs = torch.where(keep, logprobs, torch.full_like(logprobs, -math.inf)).double().exp()
+    keep = keep_mask(base, cfg.top_k, cfg.top_p)
+    if allowed is not None:
+        keep &= allowed  # top-k may reach past the allowed tokens when fewer than k remain
+    probs = torch.where(keep, base, torch.full_like(base, -math.inf)).double().exp()
     cdf = torch.cumsum(probs.cpu(), dim=-1)
     total = float(cdf[-1])
     u = float(torch.rand((), generator=generator, dtype=torch.float64)) * total

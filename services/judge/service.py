@@ -157,14 +157,15 @@ async def run(settings: JudgeSettings) -> None:
             backend = await stack.enter_async_context(make_backend(cfg))
             checks["judge"] = backend.health
         judge = build_judge(cfg, backend) if cfg.mode != "opd" else None
-        teacher = await _teacher(cfg, backend, stack, checks) if cfg.mode != "rl" else None
+        token = settings.internal.secret()
+        teacher = await _teacher(cfg, backend, stack, checks, token) if cfg.mode != "rl" else None
         service = JudgeService(cfg, bus, judge, teacher)
         consumer = Consumer(
             bus, K.TURNS, K.GROUP_JUDGE, Turn, service.handle,
             name=consumer_name(cfg.consumer_name, "judge"),
             concurrency=cfg.concurrency,
         )  # fmt: skip
-        ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks), name="ops")
+        ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks, settings.internal), name="ops")
         ops.add_done_callback(lambda _: consumer.stop())  # the ops server died: stop too
         stop_on_signals(consumer)
         log.info(
@@ -185,7 +186,8 @@ async def run(settings: JudgeSettings) -> None:
 
 
 async def _teacher(
-    cfg: JudgeConfig, backend: JudgeBackend | None, stack: AsyncExitStack, checks: dict[str, Check]
+    cfg: JudgeConfig, backend: JudgeBackend | None, stack: AsyncExitStack, checks: dict[str, Check],
+    internal_token: str | None,
 ) -> Teacher:
     from shared.chat import ChatTemplate
     from shared.engine_client import make_engine_client
@@ -194,7 +196,7 @@ async def _teacher(
     template = await asyncio.to_thread(ChatTemplate.from_pretrained, cfg.tokenizer)
     engine = make_engine_client(
         cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
-        max_connections=min(cfg.concurrency, 1024),
+        max_connections=min(cfg.concurrency, 1024), api_key=internal_token,
     )  # fmt: skip
     stack.push_async_callback(engine.aclose)
 

@@ -5,14 +5,16 @@
     NEXTSTATE_JUDGE__BACKEND=openai      openai (any /v1/chat/completions) | sglang (native /generate, text in)
     NEXTSTATE_JUDGE__URL=http://127.0.0.1:30000      with or without a trailing /v1
     NEXTSTATE_JUDGE__MODEL=judge         the model name sent to an OpenAI-compatible server
-    NEXTSTATE_JUDGE__API_KEY=...         bearer key for hosted APIs (never logged)
+    NEXTSTATE_JUDGE__API_KEY=...         bearer key of the judge model (never logged); unset and the
+                                         judge model is the policy engine (URL on the same host:port
+                                         as ENGINE_URL): the stack's NEXTSTATE_INTERNAL__TOKEN
     NEXTSTATE_JUDGE__VOTES=3             calls per turn, run concurrently; majority wins
     NEXTSTATE_JUDGE__QUORUM=             calls that must answer (default: a majority of VOTES)
     NEXTSTATE_JUDGE__TEMPERATURE=0.6     NEXTSTATE_JUDGE__MAX_TOKENS=1024
     NEXTSTATE_JUDGE__TIMEOUT_S=60        per call, all attempts of one call share nothing
     NEXTSTATE_JUDGE__RETRIES=2           extra attempts on transport errors, timeouts, 5xx, 429
     NEXTSTATE_JUDGE__CONCURRENCY=256     turns in flight in this process
-    NEXTSTATE_JUDGE__ENGINE_URL=...      the policy engine, for OPD teacher log-probs
+    NEXTSTATE_JUDGE__ENGINE_URL=...      the policy engine, for OPD teacher log-probs (sent the internal token)
     NEXTSTATE_JUDGE__TOKENIZER=...       the policy's tokenizer folder, for OPD teacher prompts
     NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
     NEXTSTATE_JUDGE__HOST=127.0.0.1      NEXTSTATE_JUDGE__PORT=9102   (/healthz /readyz /metrics)
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
@@ -134,5 +137,20 @@ class JudgeConfig(BaseModel):
         return self.type in ("prm", "rule+prm") or self.mode in ("opd", "combine")
 
 
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+
+
 class JudgeSettings(Settings):
     judge: JudgeConfig = JudgeConfig()
+
+    @model_validator(mode="after")
+    def _judge_model_key(self) -> JudgeSettings:
+        """The judge model is often the policy engine itself (the default of `up`, compose
+        and k8s), which needs the internal token: use it when no API_KEY is set and the
+        judge URL is the engine's. Any other judge model (a hosted API) never receives it."""
+        j = self.judge
+        if j.api_key is None and j.engine_url is not None and _origin(j.url) == _origin(j.engine_url):
+            j.api_key = self.internal.token
+        return self

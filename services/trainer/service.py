@@ -48,6 +48,7 @@ from shared import keys as K
 from shared.checkpoints import manifest_key
 from shared.consumer import Consumer, Delivery, consumer_name, stop_on_signals
 from shared.errors import BusError, MalformedMessage, StoreError
+from shared.runs import claim_run, record_for
 from shared.schemas import CheckpointManifest, CheckpointPublished, TrainBatch
 from shared.store import AsyncBucket
 from shared.streams import Bus
@@ -312,9 +313,12 @@ async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
                 raise RuntimeError("loading the model")
 
         ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, {
-            "redis": bus.ping, "bucket": bucket.ping, "model": model_loaded}))
+            "redis": bus.ping, "bucket": bucket.ping, "model": model_loaded}, settings.internal))
         stack.push_async_callback(_cancel, ops)
         await bucket.ensure()
+        # One base model per run: the first trainer claims the run, a later one on another
+        # model refuses to start (shared/runs.py).
+        await bucket.run(claim_run, bucket.sync, await asyncio.to_thread(record_for, settings.run, cfg.model))
         resume = await bucket.run(
             find_resume_point, bucket.sync, settings.run, work_dir / "resume", need_weights=not cfg.lora
         )

@@ -28,7 +28,8 @@ async def run(settings: WatcherSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine = make_engine_client(cfg.engine_kind, cfg.engine_url, update_timeout=cfg.reload_timeout_s)
+    engine = make_engine_client(cfg.engine_kind, cfg.engine_url, update_timeout=cfg.reload_timeout_s,
+                                api_key=settings.internal.secret())
     async with AsyncBucket(settings.bucket) as bucket, Bus(settings) as bus, engine:
         watcher = Watcher(settings, bucket, engine, bus)
 
@@ -39,7 +40,7 @@ async def run(settings: WatcherSettings) -> None:
         # "policy": the engine serves what it should (fails once a pass could not fix that).
         checks = {"redis": bus.ping, "bucket": bucket.ping, "engine": engine_ok,
                   "policy": watcher.check_serving}
-        ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks))
+        ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks, settings.internal))
         log.info("watching", extra={"run": settings.run, "engine": cfg.engine_url,
                                     "every_s": cfg.poll_interval_s})
         try:

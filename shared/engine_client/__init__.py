@@ -46,8 +46,9 @@ __all__ = [
 def make_engine_client(kind: EngineKind | str, url: str, **kwargs: Any) -> SGLangClient | VLLMClient:
     """An engine client for `kind` ("sglang" — also our CPU engine — or "vllm") at `url`.
 
-    kwargs: timeout, connect_timeout, max_connections, update_timeout,
-    default_max_tokens, and for vLLM `model` (default: the first served model).
+    kwargs: timeout, connect_timeout, max_connections, update_timeout, default_max_tokens,
+    api_key (sent as `Authorization: Bearer`: the stack's NEXTSTATE_INTERNAL__TOKEN), and
+    for vLLM `model` (default: the first served model).
     """
     if kind == "sglang":
         return SGLangClient(url, **kwargs)

@@ -4,13 +4,19 @@
 judge (teacher log-probs via `score`) and the watcher (`update_weights`, `model_info`)
 call. Implementations: `SGLangClient` (SGLang, and our CPU engine) and `VLLMClient`.
 
-Every implementation keeps ONE pooled `httpx.AsyncClient` for its whole life and maps
-failures onto shared.errors:
+Every implementation keeps ONE pooled `httpx.AsyncClient` for its whole life, sends
+`api_key` (the stack's internal token: our engine's, SGLang's and vLLM's `--api-key`)
+as `Authorization: Bearer` on every request, and maps failures onto shared.errors:
 
     cannot connect, connection dropped, 5xx   -> EngineUnavailable
     no answer (or no next chunk) in time      -> EngineTimeout
     4xx: the request itself is wrong          -> EngineRejected (with .status_code)
     the engine lacks the feature              -> EngineNotSupported
+
+`generate` / `stream` with `top_logprobs_num=k` also return, per output token, the k most
+likely (token id, log-prob) pairs of the distribution the log-probs come from. A
+`SamplingParams.json_schema` / `.regex` asks for constrained decoding with the engine's
+own option (SGLang: the sampling params of the same name; vLLM: `structured_outputs`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from shared.auth import bearer
 from shared.errors import (
     EngineError,
     EngineRejected,
@@ -31,6 +38,7 @@ from shared.errors import (
 from shared.schemas import SamplingParams
 
 SamplingLike = SamplingParams | Mapping[str, Any]
+TopLogprobs = list[tuple[int, float]]  # one position's most likely (token id, log-prob), best first
 _SCHEMA_KEYS = frozenset(SamplingParams.model_fields)
 
 
@@ -48,6 +56,8 @@ class GenerateResult:
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     rid: str | None = None
     e2e_latency: float | None = None
+    # one list per output id when `top_logprobs_num` > 0 was asked; empty otherwise
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +74,7 @@ class GenerateChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # cumulative
     rid: str | None = None
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -76,11 +87,13 @@ class ChunkJoiner:
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     last: GenerateChunk | None = None
 
     def add(self, chunk: GenerateChunk) -> None:
         self.ids += chunk.new_ids
         self.logprobs += chunk.new_logprobs
+        self.top_logprobs += chunk.new_top_logprobs
         self.last = chunk
 
     def result(self) -> GenerateResult:
@@ -97,6 +110,7 @@ class ChunkJoiner:
             weight_version=last.weight_version or "",
             matched_stop=last.matched_stop,
             rid=last.rid,
+            output_top_logprobs=list(self.top_logprobs),
         )
 
 
@@ -117,6 +131,7 @@ class EngineClient(Protocol):
         return_logprob: bool = True,
         stop_token_ids: Iterable[int] | None = None,
         rid: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> GenerateResult: ...
 
     def stream(
@@ -127,6 +142,7 @@ class EngineClient(Protocol):
         return_logprob: bool = True,
         stop_token_ids: Iterable[int] | None = None,
         rid: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> AsyncIterator[GenerateChunk]: ...
 
     async def score(
@@ -180,6 +196,7 @@ class HTTPEngine:
         max_connections: int = 256,
         update_timeout: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
@@ -192,6 +209,7 @@ class HTTPEngine:
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
             transport=transport,
+            headers=bearer(api_key),
         )
 
     async def aclose(self) -> None:
@@ -230,6 +248,8 @@ class HTTPEngine:
 
     def status_error(self, status: int, body: bytes, what: str) -> EngineError:
         msg = f"{what}: engine answered {status}: {self.error_message(body)}"
+        if status == 401:
+            msg += " (set NEXTSTATE_INTERNAL__TOKEN to the token the engine was started with)"
         if status >= 500:
             return EngineUnavailable(msg)
         return EngineRejected(msg, status_code=status)

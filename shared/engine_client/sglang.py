@@ -1,13 +1,19 @@
 """`SGLangClient`: the engine interface over SGLang's native HTTP API (and our CPU engine's).
 
-- generate / stream: `POST /generate` with `input_ids`, `return_logprob`; the sampling
-  seed is sent as SGLang's `sampling_seed`. Streams work whether the server sends
+- generate / stream: `POST /generate` with `input_ids`, `return_logprob` (and
+  `top_logprobs_num`, read back from `output_top_logprobs`); the sampling seed is sent as
+  SGLang's `sampling_seed`; `json_schema` / `regex` go as SGLang's sampling params of the
+  same names (grammar-constrained decoding). Streams work whether the server sends
   cumulative chunks (SGLang's default) or incremental ones
   (`--incremental-streaming-output`): `completion_tokens` in each chunk tells which.
 - score: `max_new_tokens: 0`, `return_logprob`, `logprob_start_len = start - 1`; SGLang
   reports the first position of that window as null, so the values are entries 1…
 - update_weights: `POST /update_weights_from_disk`; SGLang answers 400 with
   `success: false` when the load fails, which is returned, not raised.
+- auth: `api_key` goes out as `Authorization: Bearer` on every call. SGLang started with
+  `--api-key` checks it everywhere except `/health*`, `/ready*` and `/metrics*` (its
+  `srt/utils/auth.py`); our CPU engine everywhere except `/health`, `/healthz`,
+  `/readyz` (and `/metrics` when NEXTSTATE_INTERNAL__METRICS_PUBLIC).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from shared.engine_client.base import (
     GenerateResult,
     HTTPEngine,
     SamplingLike,
+    TopLogprobs,
     check_score_range,
     split_sampling,
 )
@@ -45,6 +52,17 @@ def _logprob_values(entries: Any, what: str) -> list[float]:
     return out
 
 
+def _top_values(rows: Any, what: str) -> list[TopLogprobs]:
+    """SGLang's `output_top_logprobs` (per position: [[logprob, id, text], ...]) as (id, logprob)."""
+    out: list[TopLogprobs] = []
+    for row in rows or []:
+        try:
+            out.append([(int(e[1]), float(e[0])) for e in row or []])
+        except (TypeError, ValueError, IndexError):
+            raise EngineUnavailable(f"{what}: malformed output_top_logprobs") from None
+    return out
+
+
 class SGLangClient(HTTPEngine):
     """Client of SGLang's native API; our CPU engine speaks the same."""
 
@@ -62,6 +80,7 @@ class SGLangClient(HTTPEngine):
         stop_token_ids: Iterable[int] | None,
         rid: str | None,
         stream: bool,
+        top_logprobs_num: int = 0,
     ) -> dict[str, Any]:
         sp, extra = split_sampling(sampling)
         params: dict[str, Any] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
@@ -74,13 +93,19 @@ class SGLangClient(HTTPEngine):
             params["sampling_seed"] = sp.seed
         if stop_token_ids is not None:
             params["stop_token_ids"] = list(stop_token_ids)
+        if sp.json_schema is not None:
+            params["json_schema"] = sp.json_schema
+        if sp.regex is not None:
+            params["regex"] = sp.regex
         params.update(extra)
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": params,
-            "return_logprob": return_logprob,
+            "return_logprob": return_logprob or top_logprobs_num > 0,
             "stream": stream,
         }
+        if top_logprobs_num > 0:
+            body["top_logprobs_num"] = top_logprobs_num
         if rid is not None:
             body["rid"] = rid
         return body
@@ -93,10 +118,11 @@ class SGLangClient(HTTPEngine):
         return_logprob: bool = True,
         stop_token_ids: Iterable[int] | None = None,
         rid: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> GenerateResult:
         body = self.payload(
             input_ids, sampling, return_logprob=return_logprob,
-            stop_token_ids=stop_token_ids, rid=rid, stream=False,
+            stop_token_ids=stop_token_ids, rid=rid, stream=False, top_logprobs_num=top_logprobs_num,
         )  # fmt: skip
         out = await self.json("POST", "/generate", json_body=body)
         meta = out.get("meta_info") or {}
@@ -104,6 +130,9 @@ class SGLangClient(HTTPEngine):
         logprobs = _logprob_values(meta.get("output_token_logprobs"), "/generate") if return_logprob else []
         if return_logprob and len(logprobs) != len(ids):
             raise EngineUnavailable(f"/generate: {len(logprobs)} log-probs for {len(ids)} tokens")
+        top = _top_values(meta.get("output_top_logprobs"), "/generate") if top_logprobs_num > 0 else []
+        if top_logprobs_num > 0 and len(top) != len(ids):
+            raise EngineUnavailable(f"/generate: {len(top)} top log-prob rows for {len(ids)} tokens")
         reason, matched = _finish(meta)
         return GenerateResult(
             text=str(out.get("text") or ""),
@@ -116,6 +145,7 @@ class SGLangClient(HTTPEngine):
             matched_stop=matched,
             rid=meta.get("id"),
             e2e_latency=meta.get("e2e_latency"),
+            output_top_logprobs=top,
         )
 
     async def stream(
@@ -126,13 +156,15 @@ class SGLangClient(HTTPEngine):
         return_logprob: bool = True,
         stop_token_ids: Iterable[int] | None = None,
         rid: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         body = self.payload(
             input_ids, sampling, return_logprob=return_logprob,
-            stop_token_ids=stop_token_ids, rid=rid, stream=True,
+            stop_token_ids=stop_token_ids, rid=rid, stream=True, top_logprobs_num=top_logprobs_num,
         )  # fmt: skip
         seen_ids = 0
         seen_lps = 0
+        seen_top = 0
         text = ""
         finished = False
         async for event in self.sse("/generate", body):
@@ -150,6 +182,12 @@ class SGLangClient(HTTPEngine):
             lp_entries = meta.get("output_token_logprobs") or []
             new_lp_entries = lp_entries[seen_lps:] if cumulative else lp_entries
             new_lps = _logprob_values(new_lp_entries, "/generate stream") if return_logprob else []
+            new_top: list[TopLogprobs] = []
+            if top_logprobs_num > 0:
+                top_rows = meta.get("output_top_logprobs") or []
+                new_top_rows = top_rows[seen_top:] if cumulative else top_rows
+                new_top = _top_values(new_top_rows, "/generate stream")
+                seen_top += len(new_top_rows)
             chunk_text = event.get("text")
             if chunk_text is None:
                 new_text = ""
@@ -175,6 +213,7 @@ class SGLangClient(HTTPEngine):
                 prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
                 completion_tokens=total,
                 rid=meta.get("id"),
+                new_top_logprobs=new_top,
             )
             if finished:
                 break

@@ -6,6 +6,13 @@ What it uses, and what it needs from the vLLM deployment:
   `logprobs: 0` (the sampled token's log-prob) and `return_tokens_as_token_ids: true`
   (tokens come back as "token_id:<id>"); `return_token_ids: true` is also sent and
   its `token_ids` preferred when the server has it. Works on any recent vLLM.
+- top log-probs: `top_logprobs_num=k` sends `logprobs: k`; vLLM's per-position
+  `top_logprobs` maps ("token_id:<id>") to log-probs and may also hold the sampled token,
+  so the k best are kept.
+- constrained decoding: `SamplingParams.json_schema` / `.regex` go as
+  `structured_outputs: {"json": …}` / `{"regex": …}` (vLLM >= 0.10.2; the older
+  `guided_json` / `guided_regex` fields were removed in 0.12; an older vLLM ignores the
+  field, so check the version before relying on it).
 - max_tokens: vLLM's completions default is 16 when none is sent; pass
   `SamplingParams.max_tokens` or `default_max_tokens=` (SGLang's default is 128).
 - score: `max_tokens: 1` with `prompt_logprobs: 0`; `choices[0].prompt_logprobs[j]`
@@ -21,10 +28,15 @@ What it uses, and what it needs from the vLLM deployment:
 - weight_version: `GET /weight_info` (dev mode); otherwise the version this client
   last loaded (initially "0"), since vLLM responses carry no version.
 - pause / resume: `POST /pause?mode=keep` and `POST /resume` (dev mode).
+- auth: `api_key` goes out as `Authorization: Bearer` on every call. vLLM's `--api-key`
+  (or `VLLM_API_KEY`) protects only `/v1/*`: the dev-mode control endpoints above
+  (`/pause`, `/collective_rpc`, `/resume`, …) stay open, so keep a vLLM engine's port
+  reachable by the stack only.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -33,10 +45,12 @@ from shared.engine_client.base import (
     GenerateResult,
     HTTPEngine,
     SamplingLike,
+    TopLogprobs,
     check_score_range,
     split_sampling,
 )
 from shared.errors import EngineError, EngineNotSupported, EngineUnavailable
+from shared.schemas import SamplingParams
 
 
 def _token_ids(choice: dict[str, Any]) -> list[int] | None:
@@ -59,6 +73,31 @@ def _logprobs(choice: dict[str, Any]) -> list[float]:
     return [float(v) for v in values]
 
 
+def _top(choice: dict[str, Any], k: int) -> list[TopLogprobs]:
+    """The k most likely (id, log-prob) per position from `logprobs.top_logprobs`."""
+    if k <= 0:
+        return []
+    rows = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    out: list[TopLogprobs] = []
+    for row in rows:
+        pairs = []
+        for tok, lp in (row or {}).items():
+            if not isinstance(tok, str) or not tok.startswith("token_id:"):
+                raise EngineUnavailable(f"vLLM returned top token {tok!r}: is return_tokens_as_token_ids supported?")
+            pairs.append((int(tok.split(":", 1)[1]), float(lp)))
+        pairs.sort(key=lambda p: -p[1])
+        out.append(pairs[:k])
+    return out
+
+
+def _structured(sp: SamplingParams) -> dict[str, Any] | None:
+    if sp.json_schema is not None:
+        return {"json": json.loads(sp.json_schema)}
+    if sp.regex is not None:
+        return {"regex": sp.regex}
+    return None
+
+
 class VLLMClient(HTTPEngine):
     def __init__(self, base_url: str, *, model: str | None = None, default_max_tokens: int | None = None, **kwargs: Any) -> None:
         super().__init__(base_url, **kwargs)
@@ -76,8 +115,9 @@ class VLLMClient(HTTPEngine):
         return self.model
 
     async def payload(
-        self, input_ids: Sequence[int], sampling: SamplingLike, *, stop_token_ids: Iterable[int] | None, stream: bool
-    ) -> dict[str, Any]:
+        self, input_ids: Sequence[int], sampling: SamplingLike, *, stop_token_ids: Iterable[int] | None,
+        stream: bool, top_logprobs_num: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
         sp, extra = split_sampling(sampling)
         body: dict[str, Any] = {
             "model": await self._model(),
@@ -85,7 +125,7 @@ class VLLMClient(HTTPEngine):
             "temperature": sp.temperature,
             "top_p": sp.top_p,
             "top_k": sp.top_k,
-            "logprobs": 0,
+            "logprobs": max(0, top_logprobs_num),
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
             "stream": stream,
@@ -101,6 +141,9 @@ class VLLMClient(HTTPEngine):
             body["stop_token_ids"] = list(stop_token_ids)
         if stream:
             body["stream_options"] = {"include_usage": True}
+        structured = _structured(sp)
+        if structured is not None:
+            body["structured_outputs"] = structured
         body.update(extra)
         return body
 
@@ -112,8 +155,10 @@ class VLLMClient(HTTPEngine):
         return_logprob: bool = True,
         stop_token_ids: Iterable[int] | None = None,
         rid: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> GenerateResult:
-        body = await self.payload(input_ids, sampling, stop_token_ids=stop_token_ids, stream=False)
+        body = await self.payload(input_ids, sampling, stop_token_ids=stop_token_ids, stream=False,
+                                  top_logprobs_num=top_logprobs_num)  # fmt: skip
         out = await self.json("POST", "/v1/completions", json_body=body)
         choice = (out.get("choices") or [{}])[0]
         ids = _token_ids(choice) or []
@@ -131,6 +176,7 @@ class VLLMClient(HTTPEngine):
             weight_version=self._version,
             matched_stop=choice.get("stop_reason"),
             rid=out.get("id"),
+            output_top_logprobs=_top(choice, top_logprobs_num),
         )
 
     async def stream(
@@ -141,8 +187,10 @@ class VLLMClient(HTTPEngine):
         return_logprob: bool = True,
         stop_token_ids: Iterable[int] | None = None,
         rid: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
-        body = await self.payload(input_ids, sampling, stop_token_ids=stop_token_ids, stream=True)
+        body = await self.payload(input_ids, sampling, stop_token_ids=stop_token_ids, stream=True,
+                                  top_logprobs_num=top_logprobs_num)  # fmt: skip
         text, total = "", 0
         final: GenerateChunk | None = None
         async for event in self.sse("/v1/completions", body):
@@ -168,6 +216,7 @@ class VLLMClient(HTTPEngine):
                 prompt_tokens=len(input_ids),
                 completion_tokens=total,
                 rid=event.get("id"),
+                new_top_logprobs=_top(choice, top_logprobs_num),
             )
             if chunk.done:
                 final = chunk

@@ -60,7 +60,7 @@ def test_policy_improves_from_live_traffic(tiny_model: Path, redis_url: str, uni
             time.sleep(0.5)
         demo = subprocess.run(
             [NEXTSTATE, "demo", "--url", f"http://127.0.0.1:{port}/v1", "--task", "vowel",
-             "--turns", "1200", "--minutes", "5", "--max-tokens", "2", "--concurrency", "4", "--json"],
+             "--turns", "2400", "--minutes", "5", "--max-tokens", "2", "--concurrency", "4", "--json"],
             env=env, cwd=REPO, capture_output=True, text=True, timeout=420,
         )
         assert demo.returncode == 0, demo.stderr[-2000:]

@@ -152,9 +152,12 @@ async def kill_buffer_with_waiting_samples(f: Faults) -> None:
     waiting: list[str] = []
 
     def held() -> list[str]:
+        """The buffer's unacked entries, once one of them is a sample waiting for its batch."""
         with f.r() as r:
             rows = r.xpending_range(key, K.GROUP_BUFFER, "-", "+", 1000, consumername="buffer")
-            return [row["message_id"] for row in rows]
+            ids = [row["message_id"] for row in rows]
+            scored = [ScoredTurn.from_json(e[0][1][K.FIELD]) for i in ids if (e := r.xrange(key, i, i))]
+        return ids if any(s.judged and s.reward != 0 for s in scored) else []
 
     async def before() -> None:
         waiting.extend(await until(held, 60, "samples waiting in the buffer", interval=0.02))

@@ -1,9 +1,11 @@
 """Imports: `POST /receive` and `nextstate import` (file and --mock) against the real buffer
-process, with the tiny model's chat template; Turns land on a real Redis `turns` stream."""
+process, with the tiny model's chat template; Turns land on a real Redis `turns` stream.
+The buffer requires an internal token; the requests and the CLI send it."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -16,6 +18,7 @@ import httpx
 import pytest
 
 from services.ctl.importer import mock_records
+from shared.auth import bearer
 from shared.chat import ChatTemplate
 from shared.schemas import Turn
 from shared.settings import Settings
@@ -28,6 +31,7 @@ from tests.support.tiny_model import build_tokenizer
 pytestmark = pytest.mark.integration
 
 SEEDS = REPO / "tests" / "data" / "seeds.jsonl"
+TOKEN = "import-test-internal-token-01"
 
 
 @dataclass
@@ -51,7 +55,8 @@ def buffer(redis_url: str, tokenizer_dir: Path) -> Iterator[Buffer]:
     unique = uuid.uuid4().hex[:10]
     env = {"NEXTSTATE_ENV": "test", "NEXTSTATE_RUN": f"run-{unique}",
            "NEXTSTATE_REDIS__URL": redis_url, "NEXTSTATE_REDIS__PREFIX": f"t-{unique}"}
-    penv, url = process_env(env, tokenizer=tokenizer_dir, receive_max_records=5)
+    penv, url = process_env({**env, "NEXTSTATE_INTERNAL__TOKEN": TOKEN}, tokenizer=tokenizer_dir,
+                            receive_max_records=5)
     proc = ServiceProcess("buffer", penv).start().wait_http(f"{url}/readyz", timeout=60)
     yield Buffer(url, settings_from(env), proc)
     proc.stop()
@@ -93,6 +98,7 @@ def import_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.ctl.importer", *args, "--url", url],
         cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "NEXTSTATE_INTERNAL__TOKEN": TOKEN},
     )
 
 
@@ -106,7 +112,7 @@ async def test_receive_publishes_tokenized_turns(buffer: Buffer, bus: Bus, templ
                {"prompt": "And London?", "response": "Cloudy."}),
         record(s2, {"prompt": "hi", "response": "hello", "next_state": "that's wrong, try again"}),
     ]
-    async with httpx.AsyncClient(base_url=buffer.url, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=buffer.url, timeout=30, headers=bearer(TOKEN)) as client:
         resp = await client.post("/receive", json=body)
         assert resp.status_code == 200, resp.text
         out = resp.json()
@@ -127,7 +133,7 @@ async def test_receive_publishes_tokenized_turns(buffer: Buffer, bus: Bus, templ
 async def test_bad_requests_are_refused_and_publish_nothing(buffer: Buffer, bus: Bus) -> None:
     s = f"bad-{uuid.uuid4().hex[:6]}"
     good = record(s, {"prompt": "p", "response": "r"})
-    async with httpx.AsyncClient(base_url=buffer.url, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=buffer.url, timeout=30, headers=bearer(TOKEN)) as client:
         resp = await client.post("/receive", json=[good, record(s, {"prompt": "p"})])
         assert resp.status_code == 400
         assert "record 1: turns.0.response: Field required" in resp.json()["error"]["message"]

@@ -3,7 +3,8 @@
 What the trainer relies on: teacher_prompt_ids are the policy's chat template over the
 turn's messages with the hint appended to the last user message, and teacher_logprobs
 are the engine's own log-probs of exactly teacher_prompt_ids + response_ids, one per
-response token.
+response token. The engine requires an internal token, which the judge sends (the
+stand-in judge model, another server, is never sent it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from services.ctl.infra import free_port
+from shared.auth import bearer
 from shared.chat import ChatTemplate
 from shared.schemas import ScoredTurn, Turn
 from shared.settings import Settings
@@ -30,13 +32,15 @@ HINT = "The user wants the temperature in degrees Celsius."
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOKEN = "opd-test-internal-token-0123"
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[str]:
     port = free_port()
     proc = ServiceProcess(
-        "engine", env={"NEXTSTATE_ENV": "test", "NEXTSTATE_ENGINE__THREADS": "1"},
+        "engine", env={"NEXTSTATE_ENV": "test", "NEXTSTATE_ENGINE__THREADS": "1",
+                       "NEXTSTATE_INTERNAL__TOKEN": TOKEN},
         args=["--model", str(tiny_model), "--port", str(port)],
     )  # fmt: skip
     try:
@@ -78,11 +82,15 @@ def opd_turn(template: ChatTemplate, session: str, directive: str, tools: Any = 
     )  # fmt: skip
 
 
+def authed(env: dict[str, str]) -> dict[str, str]:
+    return {**env, "NEXTSTATE_INTERNAL__TOKEN": TOKEN}
+
+
 async def engine_logprobs(engine: str, ids: list[int], n: int) -> list[float]:
     """The engine's own log-probs of the last n of `ids`, from one raw /generate call."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True, "logprob_start_len": 0}
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=bearer(TOKEN)) as client:
         resp = await client.post(f"{engine}/generate", json=body)
     entries = resp.json()["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in entries] == ids
@@ -101,7 +109,7 @@ async def test_combine_mode_hint_and_teacher_logprobs(
     )
     for t in (hinted, plain, refused):
         await bus.publish("turns", t)
-    judge = start_judge(env, standin.url, "opd", mode="combine", engine_url=engine,
+    judge = start_judge(authed(env), standin.url, "opd", mode="combine", engine_url=engine,
                         tokenizer=str(tiny_model), timeout_s="30")
     try:
         await eventually(lambda: all_acked(bus), 60, "every turn judged")
@@ -141,7 +149,7 @@ async def test_opd_mode_only_hints(
 ) -> None:  # fmt: skip
     turn = opd_turn(template, unique, f"hint_votes=1; hints={HINT}")
     await bus.publish("turns", turn)
-    judge = start_judge(env, standin.url, "opd-only", mode="opd", engine_url=engine,
+    judge = start_judge(authed(env), standin.url, "opd-only", mode="opd", engine_url=engine,
                         tokenizer=str(tiny_model), timeout_s="30")
     try:
         await eventually(lambda: all_acked(bus), 60, "the turn judged")

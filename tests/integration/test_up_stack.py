@@ -14,6 +14,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
@@ -72,10 +73,10 @@ async def test_infrastructure_survives_a_port_race_and_records_itself(stack: Rac
         assert "Address already in use" in out.getvalue() and "Port allocation failed" in out.getvalue()
 
         # What is started after them gets the final endpoints.
-        assert stack.env["NEXTSTATE_REDIS__URL"] == f"redis://127.0.0.1:{redis_proc.port}/0"
-        assert stack.env["NEXTSTATE_BUCKET__ENDPOINT"] == f"127.0.0.1:{s3_proc.port}"
+        assert urlsplit(stack.redis_env("judge-0")["NEXTSTATE_REDIS__URL"]).port == redis_proc.port
+        assert stack.bucket_role("trainer")["NEXTSTATE_BUCKET__ENDPOINT"] == f"127.0.0.1:{s3_proc.port}"
 
-        client = aioredis.Redis.from_url(stack.redis_url, decode_responses=True)
+        client = aioredis.Redis.from_url(stack.redis_urls["default"], decode_responses=True)  # admin: CONFIG
         try:
             assert await client.config_get("appendonly") == {"appendonly": "yes"}
             assert await client.config_get("appendfsync") == {"appendfsync": "always"}
@@ -94,10 +95,10 @@ async def test_infrastructure_survives_a_port_race_and_records_itself(stack: Rac
         record = json.loads(stack.record_path.read_text())
         assert stack.record_path == stack.root / "stack.json" and stack.root.parent.name == "up"
         assert record["run"] == f"run-{unique}" and record["prefix"] == f"t-{unique}"
-        assert record["redis_url"] == stack.redis_url
+        assert record["redis_url"] == redact(stack.redis_url) == f"redis://ctl:***@127.0.0.1:{redis_proc.port}/0"
         assert record["bucket"] == {"endpoint": f"127.0.0.1:{s3_proc.port}", "name": stack.settings.bucket.name}
         assert record["services"]["redis"] == {
-            "port": redis_proc.port, "pid": redis_proc.pid, "url": stack.redis_url}
+            "port": redis_proc.port, "pid": redis_proc.pid, "url": f"redis://127.0.0.1:{redis_proc.port}/0"}
         assert record["services"]["s3"]["url"] == f"http://127.0.0.1:{s3_proc.port}"
         assert "stopped" not in record and record["pid"] > 0
         assert "minioadmin" not in stack.record_path.read_text()  # no secrets

@@ -6,7 +6,9 @@ version, generations change); a corrupt one is refused while the engine keeps se
 engine that restarts on its base weights (SIGKILL, same port) gets its policy back; a
 corrupt LATEST keeps the last good version, even for a fresh watcher next to a restarted
 engine; weights loaded behind the watcher's back are replaced; /readyz names a mismatch
-the watcher could not fix, and Redis always says what the engine really serves.
+the watcher could not fix, and Redis always says what the engine really serves. The
+engine and the watcher run with an internal token, as every deployment does: the watcher
+sends it, and the test's own calls to the engine and the watcher's /metrics send it too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared import checkpoints as ckpt
+from shared.auth import bearer
 from shared.schemas import PolicyLoaded
 from shared.settings import Settings
 from shared.store import Bucket
@@ -36,6 +39,8 @@ from tests.support.waiting import eventually
 pytestmark = pytest.mark.integration
 
 NEXTSTATE = str(Path(sys.executable).parent / "nextstate")
+TOKEN = "watcher-test-internal-token"
+AUTH = bearer(TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,8 @@ def url_of(proc: ServiceProcess) -> str:
 
 @pytest.fixture
 def engine_proc(models: dict[str, Path], s3_env: dict[str, str]) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess("engine", s3_env, ["--model", str(models["a"]), "--port", str(free_port())]).start()
+    env = {**s3_env, "NEXTSTATE_INTERNAL__TOKEN": TOKEN}
+    proc = ServiceProcess("engine", env, ["--model", str(models["a"]), "--port", str(free_port())]).start()
     try:
         proc.wait_http(f"{url_of(proc)}/health", timeout=120)
         yield proc
@@ -79,6 +85,7 @@ def watcher(engine: str, s3_env: dict[str, str], tmp_path: Path) -> Iterator[Ser
         "NEXTSTATE_WATCHER__LOCAL_DIR": str(tmp_path / "ckpts"),
         "NEXTSTATE_WATCHER__RETRY_BAD_AFTER_S": "3600",
         "NEXTSTATE_WATCHER__PORT": str(free_port()),
+        "NEXTSTATE_INTERNAL__TOKEN": TOKEN,
     }
     proc = ServiceProcess("watcher", env).start()
     proc.wait_http(ops_url(proc, "readyz"), timeout=60)
@@ -98,7 +105,7 @@ def readyz(watcher: ServiceProcess) -> tuple[int, dict[str, str]]:
 
 
 def metric(watcher: ServiceProcess, name: str, **labels: str) -> float | None:
-    text = httpx.get(ops_url(watcher, "metrics"), timeout=10).text
+    text = httpx.get(ops_url(watcher, "metrics"), headers=AUTH, timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
@@ -110,17 +117,17 @@ def greedy(url: str) -> list[float]:
     """Log-probs the serving weights give a fixed sequence: a fingerprint of the weights."""
     r = httpx.post(f"{url}/generate", json={
         "input_ids": [5, 60, 7, 80, 9, 100], "return_logprob": True, "logprob_start_len": 1,
-        "sampling_params": {"max_new_tokens": 0}}, timeout=30)
+        "sampling_params": {"max_new_tokens": 0}}, headers=AUTH, timeout=30)
     r.raise_for_status()
     return [round(lp, 5) for lp, _, _ in r.json()["meta_info"]["input_token_logprobs"][1:]]
 
 
 def weight_version(url: str) -> str:
-    return str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"])
+    return str(httpx.get(f"{url}/model_info", headers=AUTH, timeout=10).json()["weight_version"])
 
 
 def load_behind_the_watchers_back(url: str, model: Path, version: str) -> None:
-    r = httpx.post(f"{url}/update_weights_from_disk", timeout=120,
+    r = httpx.post(f"{url}/update_weights_from_disk", timeout=120, headers=AUTH,
                    json={"model_path": str(model), "weight_version": version})
     assert r.status_code == 200 and r.json()["success"], r.text
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -68,8 +69,13 @@ def _corpus(n: int, seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(path: Path, vocab_size: int = 512, seed: int = 0) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(
+    path: Path, vocab_size: int = 512, seed: int = 0, special_markers: Sequence[str] = ()
+) -> None:
+    """`special_markers` (of MARKERS, or new ones such as "[TOOL_CALLS]") are added as
+    special tokens, which a decode that skips special tokens drops, as Mistral's
+    `[TOOL_CALLS]` or Llama 3's `<|python_tag|>` are."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -89,12 +95,22 @@ def build_tokenizer(path: Path, vocab_size: int = 512, seed: int = 0) -> None:
         bos_token=None,
         additional_special_tokens=["<|im_start|>"],
     )
-    fast.add_tokens(MARKERS)  # plain added tokens: atomic, yet kept in decoded text
+    if special_markers:
+        extra = [m for m in special_markers if m not in MARKERS]
+        fast.add_tokens([
+            AddedToken(m, special=m in special_markers, normalized=m not in special_markers)
+            for m in [*MARKERS, *extra]
+        ])  # fmt: skip
+    else:
+        fast.add_tokens(MARKERS)  # plain added tokens: atomic, yet kept in decoded text
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
 
-def build_tiny_model(path: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+def build_tiny_model(
+    path: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
+    special_markers: Sequence[str] = (),
+) -> Path:  # fmt: skip
     """Write a tokenizer + random Llama to `path` (an HF folder) and return it."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -104,7 +120,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, hidden: int = 64, layers: 
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, seed=seed)
+    build_tokenizer(path, seed=seed, special_markers=special_markers)
     tok = AutoTokenizer.from_pretrained(str(path))
     config = LlamaConfig(
         vocab_size=len(tok),

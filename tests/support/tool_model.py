@@ -16,6 +16,7 @@ prompts in `QUESTIONS`; `build_tool_model` checks that before returning.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +61,18 @@ def conversations() -> list[tuple[list[dict[str, Any]], str]]:
     return out
 
 
-def build_tool_model(path: str | Path, steps: int = 300, seed: int = 0) -> Path:
-    """Write the trained model to `path` (an HF folder) and return it (~5 s of one core)."""
+def build_tool_model(
+    path: str | Path, steps: int = 300, seed: int = 0, special_markers: Sequence[str] = ()
+) -> Path:
+    """Write the trained model to `path` (an HF folder) and return it (~5 s of one core).
+    `special_markers`: see `tiny_model.build_tokenizer` (e.g. the tool-call markers)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from shared.chat import ChatTemplate
 
     path = Path(path)
-    build_tiny_model(path, seed=seed)
+    build_tiny_model(path, seed=seed, special_markers=special_markers)
     tpl = ChatTemplate.from_pretrained(path)
     eos = tpl.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows: list[tuple[list[int], int]] = []  # (prompt + target ids, prompt length)

@@ -23,7 +23,6 @@ from typing import Any
 import httpx
 import redis
 
-from shared.settings import DEV_BUCKET_KEYS
 from tests.support.servers import REPO, free_port
 
 NEXTSTATE = str(Path(sys.executable).parent / "nextstate")
@@ -89,19 +88,25 @@ class UpStack:
 
     @property
     def redis_url(self) -> str:
-        return str(self.record()["redis_url"])
+        """The operator's (ctl) Redis URL, password included (secrets.json)."""
+        return str(self.secrets().get("redis_url") or self.record()["redis_url"])
 
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=5,
                                     socket_connect_timeout=2)
 
+    def secrets(self) -> dict[str, str]:
+        """The credentials `up` recorded for the CLI (secrets.json, owner-only)."""
+        got: dict[str, str] = json.loads((self.record_path.parent / "secrets.json").read_text())
+        return got
+
     def bucket_env(self) -> dict[str, str]:
-        """Settings to reach this stack's bucket (dev keys: `up` outside prod)."""
-        rec = self.record()
-        access, secret = DEV_BUCKET_KEYS
+        """Settings to reach this stack's bucket as its admin (the keys `up` generated)."""
+        rec, sec = self.record(), self.secrets()
         return {"NEXTSTATE_BUCKET__ENDPOINT": rec["bucket"]["endpoint"],
                 "NEXTSTATE_BUCKET__NAME": rec["bucket"]["name"],
-                "NEXTSTATE_BUCKET__ACCESS_KEY": access, "NEXTSTATE_BUCKET__SECRET_KEY": secret}
+                "NEXTSTATE_BUCKET__ACCESS_KEY": sec["bucket_access_key"],
+                "NEXTSTATE_BUCKET__SECRET_KEY": sec["bucket_secret_key"]}
 
     def pid(self, name: str) -> int | None:
         pid = self.record()["services"].get(name, {}).get("pid")
@@ -127,10 +132,15 @@ class UpStack:
             time.sleep(0.05)
         raise TimeoutError(f"{name} was not restarted in {timeout}s:\n{self.logs()}")
 
+    def internal_headers(self) -> dict[str, str]:
+        """The bearer header of this stack's internal token (`up` records it in secrets.json)."""
+        return {"authorization": f"Bearer {self.secrets()['internal_token']}"}
+
     def engine_version(self) -> str | None:
         try:
-            return str(httpx.get(f"{self.engine}/model_info", timeout=2).json()["weight_version"])
-        except (httpx.HTTPError, KeyError, ValueError):
+            resp = httpx.get(f"{self.engine}/model_info", headers=self.internal_headers(), timeout=2)
+            return str(resp.json()["weight_version"])
+        except (httpx.HTTPError, KeyError, ValueError, OSError):
             return None
 
     def stop(self, timeout: float = 60) -> int | None:

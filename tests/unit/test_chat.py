@@ -165,11 +165,12 @@ def test_incremental_tokenizes_only_the_suffix(
 ) -> None:
     msgs = [{"role": "user", "content": "hello " * 300}]
     _, cache = tiny.encode_incremental(msgs)
+    msgs += [{"role": "assistant", "content": "sure"}, {"role": "user", "content": "thanks"}]
+    full = tiny.encode(msgs)
     spy = SpyBackend(tiny._backend)
     monkeypatch.setattr(tiny, "_backend", spy)
-    msgs += [{"role": "assistant", "content": "sure"}, {"role": "user", "content": "thanks"}]
     ids, _ = tiny.encode_incremental(msgs, cache=cache)
-    assert ids == tiny.encode(msgs)
+    assert ids == full
     suffix = (
         "assistant\nsure<|im_end|>\n<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -185,10 +186,11 @@ def test_rewritten_history_reuses_the_shared_part(
     edited = copy.deepcopy(msgs)
     edited[2]["content"] = "a1 (shortened)"  # a template dropping old reasoning does this
     edited.append({"role": "assistant", "content": "a2"})
+    full = tiny.encode(edited)
     spy = SpyBackend(tiny._backend)
     monkeypatch.setattr(tiny, "_backend", spy)
     ids, new_cache = tiny.encode_incremental(edited, cache=cache)
-    assert ids == tiny.encode(edited)
+    assert ids == full
     shared = len(tiny.render(head, add_generation_prompt=False))
     assert len(spy.lengths) == 1 and spy.lengths[0] < len(new_cache.text) - shared + 40
 

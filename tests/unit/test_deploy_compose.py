@@ -18,11 +18,13 @@ import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 from pydantic import BaseModel
 
+from services.ctl import redis_acl
 from shared.consumer import consumer_name
 from shared.settings import Settings, load_settings
 
@@ -201,7 +203,7 @@ KNOWN_SERVICE_KEYS = {
     "build", "command", "container_name", "depends_on", "deploy", "entrypoint", "environment",
     "env_file", "healthcheck", "image", "init", "ipc", "networks", "ports", "profiles",
     "restart", "shm_size", "stop_grace_period", "ulimits", "volumes", "user", "working_dir",
-    "labels", "logging", "expose", "extra_hosts", "read_only", "tmpfs", "security_opt",
+    "labels", "logging", "expose", "extra_hosts", "read_only", "tmpfs", "security_opt", "secrets",
 }
 
 
@@ -403,7 +405,18 @@ def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.
     env = {k: str(v) for k, v in services()[name]["environment"].items()}
     settings = check_settings_env(module, env, monkeypatch)
     assert settings.env == "prod"
-    assert settings.redis.url.startswith("redis://:") and settings.redis.url.endswith("@redis:6379/0")
+    role = REDIS_ROLES.get(name)
+    if role is None:  # the engine never uses Redis: it gets no credential
+        assert "NEXTSTATE_REDIS__URL" not in env
+        return
+    url = urlsplit(settings.redis.url)
+    assert (url.username, url.hostname, url.port, url.path) == (role, "redis", 6379, "/0")
+    assert url.password == filled_example_env()[redis_acl.PASSWORD_VARS[role]]
+
+
+# Each service's own Redis ACL user (services/ctl/redis_acl.py).
+REDIS_ROLES = {"collector": "collector", "judge": "judge", "buffer": "buffer", "trainer-cpu": "trainer",
+               "trainer-gpu": "trainer", "watcher": "watcher", "ctl": "ctl"}
 
 
 def test_a_typo_fails_the_field_check() -> None:
@@ -422,3 +435,93 @@ def test_interpolation_helper() -> None:
         interpolate("${E:?need E}", env)
     assert interpolate("${E?need E}", env) == ""
 
+
+
+def test_every_internal_endpoint_gets_the_internal_token() -> None:
+    """One token from .env: every service of ours has it, SGLang gets it as --api-key,
+    Prometheus sends it (compose secret -> credentials_file); probes stay on open paths."""
+    env = filled_example_env()
+    token = env["NEXTSTATE_INTERNAL__TOKEN"]
+    refs = referenced_vars(yaml.safe_load(COMPOSE.read_text()))
+    assert refs["NEXTSTATE_INTERNAL__TOKEN"] == ":?"
+    doc = compose(env)
+    svcs = doc["services"]
+    for name, svc, _ in ours():
+        assert svc["environment"]["NEXTSTATE_INTERNAL__TOKEN"] == token, name
+    argv = svcs["engine-gpu"]["entrypoint"] + svcs["engine-gpu"]["command"]
+    assert argv[argv.index("--api-key") + 1] == token
+    assert "/health " in " ".join(svcs["engine-gpu"]["healthcheck"]["test"]) + " "
+    assert doc["secrets"]["internal_token"] == {"environment": "NEXTSTATE_INTERNAL__TOKEN"}
+    assert svcs["prometheus"]["secrets"] == ["internal_token"]
+    prom = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    for job in prom["scrape_configs"]:
+        if job["job_name"] != "prometheus":
+            assert job["authorization"] == {"type": "Bearer",
+                                            "credentials_file": "/run/secrets/internal_token"}, job
+    # Without the token compose refuses to start, naming it.
+    with pytest.raises(LookupError, match="NEXTSTATE_INTERNAL__TOKEN"):
+        compose({**env, "NEXTSTATE_INTERNAL__TOKEN": ""})
+
+
+REDIS_EXEC = "exec docker-entrypoint.sh redis-server --aclfile /data/users.acl --appendonly yes --appendfsync always\n"
+
+
+def test_redis_has_a_password_and_one_acl_user_per_role() -> None:
+    """Redis runs the module's container script (same users, same rules), then redis-server
+    with the aclfile it wrote; every user's password is a required .env secret, the one
+    its service's URL carries. Run for real in tests/integration/test_redis_acl_deploy.py."""
+    redis = services()["redis"]
+    sh, dash_c, script = redis["command"]
+    assert (sh, dash_c) == ("sh", "-c")
+    assert script == redis_acl.container_script(users=redis_acl.COMPOSE_USERS) + REDIS_EXEC
+    env = filled_example_env()
+    assert redis["environment"]["NEXTSTATE_REDIS__PREFIX"] == env["NEXTSTATE_PREFIX"]
+    refs = referenced_vars(yaml.safe_load(COMPOSE.read_text()))
+    for user in redis_acl.COMPOSE_USERS:
+        var = redis_acl.PASSWORD_VARS[user]
+        assert refs[var] == ":?" and redis["environment"][var] == env[var], user
+        with pytest.raises(LookupError, match=var):
+            compose({**env, var: ""})
+    assert redis["environment"]["REDISCLI_AUTH"] == env["REDIS_PASSWORD"]  # the healthcheck is admin
+    urls = {name: svc["environment"].get("NEXTSTATE_REDIS__URL") for name, svc, _ in ours()}
+    assert {urlsplit(u).username for u in urls.values() if u} == set(redis_acl.COMPOSE_USERS) - {"default"}
+    assert env["REDIS_PASSWORD"] not in {urlsplit(u).password for u in urls.values() if u}  # none is admin
+
+
+def test_the_compose_file_has_no_duplicate_keys() -> None:
+    """docker compose refuses a mapping that names a key twice (e.g. two `<<` merges);
+    PyYAML would silently keep the last one."""
+
+    class Strict(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        keys = [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)]
+        dups = {k for k in keys if keys.count(k) > 1}
+        assert not dups, f"line {node.start_mark.line + 1}: {dups} given twice"
+        return loader.construct_mapping(node)
+
+    Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    yaml.load(COMPOSE.read_text(), Loader=Strict)
+
+
+def test_each_bucket_user_has_its_role_and_only_the_trainer_writes_checkpoints() -> None:
+    """MinIO users per role (bucket-init creates them with deploy/minio's policies);
+    services that never touch the bucket get no credentials for it at all."""
+    from services.ctl import bucket_roles
+
+    svcs = services()
+    users = {name: svc["environment"].get("NEXTSTATE_BUCKET__ACCESS_KEY") for name, svc, _ in ours()}
+    assert users["trainer-cpu"] == users["trainer-gpu"] == "nextstate-trainer"
+    assert users["watcher"] == "nextstate-watcher" and users["buffer"] == "nextstate-buffer"
+    for name in ("collector", "judge", "engine-cpu"):
+        assert users[name] is None, f"{name} has bucket credentials it does not need"
+    env = filled_example_env()
+    assert users["ctl"] == env["MINIO_ROOT_USER"]  # the operator: `nextstate rollback`
+    init = svcs["bucket-init"]
+    assert "./deploy/minio:/policies:ro" in init["volumes"]
+    script = init["command"][0]
+    for role in bucket_roles.ROLES:
+        assert (REPO / "deploy" / "minio" / f"nextstate-{role}.json").is_file()
+        assert init["environment"][f"MINIO_{role.upper()}_SECRET"] == env[f"MINIO_{role.upper()}_SECRET"]
+    assert "for role in trainer watcher buffer" in script and "mc admin policy attach" in script

@@ -4,22 +4,28 @@ No cluster runs here. The manifests are read as YAML (and rendered with `kubectl
 kustomize` when kubectl is installed): every file is in the kustomization, every
 workload has probes and resources, every Secret/ConfigMap/PVC reference resolves, every
 `NEXTSTATE_*` variable is a real settings field, KEDA scales the judge StatefulSet on
-the stream and group that shared/keys.py names, every consumer has a stable name, and
-Redis fsyncs every write.
+the stream and group that shared/keys.py names, every consumer has a stable name,
+Redis fsyncs every write, and only the trainer, watcher and buffer reach the bucket, each
+as its own MinIO user, which the bucket-init Job creates (run here with a stand-in `mc`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from services.ctl import bucket_roles, redis_acl
 from shared import keys as K
 from shared.consumer import consumer_name
 from shared.errors import SettingsError
@@ -30,6 +36,7 @@ from tests.unit.test_deploy_compose import (
     python_module,
     settings_class,
 )
+from tests.unit.test_deploy_compose import services as compose_services
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy/k8s/base"
@@ -37,6 +44,11 @@ GPU = REPO / "deploy/k8s/overlays/gpu"
 WORKLOADS = ("Deployment", "StatefulSet")
 OUR_IMAGES = ("nextstate-light", "nextstate-torch")
 VALID_REDIS_URL = "redis://:Passw0rd@redis:6379/0"
+VALID_TOKEN = "0123456789abcdef0123456789abcdef"
+# The workloads that use the bucket, each named after its MinIO role (services/ctl/bucket_roles.py).
+BUCKET_ROLES = bucket_roles.ROLES
+BUCKET_SETTINGS = ("NEXTSTATE_BUCKET__ENDPOINT", "NEXTSTATE_BUCKET__NAME", "NEXTSTATE_BUCKET__SECURE",
+                   "NEXTSTATE_BUCKET__REGION")
 
 
 def kustomization(folder: Path) -> dict[str, Any]:
@@ -56,17 +68,25 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
-def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(workload name, pod spec, container) for every container of every workload."""
+def containers(docs: list[dict[str, Any]], kinds: tuple[str, ...] = WORKLOADS
+               ) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(workload name, pod spec, container) for every container of every workload (of `kinds`)."""
     for d in docs:
-        if d["kind"] in WORKLOADS:
+        if d["kind"] in kinds:
             spec = d["spec"]["template"]["spec"]
             for c in spec["containers"]:
                 yield d["metadata"]["name"], spec, c
 
 
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(NAME)` in an env value: an earlier variable's value (`$$` escapes)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
+
+
 def container_env(c: dict[str, Any], docs: list[dict[str, Any]]) -> dict[str, str]:
-    """The container's environment as the pod sees it: ConfigMaps and Secrets resolved."""
+    """The container's environment as the pod sees it: ConfigMaps and Secrets resolved,
+    `$(NAME)` references expanded."""
     maps = by_kind(docs, "ConfigMap")
     secrets = by_kind(docs, "Secret")
     env: dict[str, str] = {}
@@ -77,7 +97,7 @@ def container_env(c: dict[str, Any], docs: list[dict[str, Any]]) -> dict[str, st
             env.update(secrets[src["secretRef"]["name"]]["stringData"])
     for item in c.get("env", []):
         if "value" in item:
-            env[item["name"]] = str(item["value"])
+            env[item["name"]] = expand(str(item["value"]), env)
         else:
             ref = item["valueFrom"].get("secretKeyRef") or item["valueFrom"]["configMapKeyRef"]
             source = secrets[ref["name"]]["stringData"] if "secretKeyRef" in item["valueFrom"] \
@@ -139,18 +159,31 @@ def test_nextstate_variables_are_settings_fields(workload: str, monkeypatch: pyt
     docs = base_docs()
     _, c, module = next(x for x in ours(docs) if x[0] == workload)
     env = container_env(c, docs)
-    if "NEXTSTATE_REDIS__URL" in env:
-        env["NEXTSTATE_REDIS__URL"] = VALID_REDIS_URL  # the template's placeholder, filled in
+    if "NEXTSTATE_REDIS__URL" in env:  # the template's placeholder password, filled in
+        env["NEXTSTATE_REDIS__URL"] = env["NEXTSTATE_REDIS__URL"].replace("CHANGE-ME", "Passw0rd")
+    assert "NEXTSTATE_INTERNAL__TOKEN" in env, f"{workload} lacks the internal token"
+    env["NEXTSTATE_INTERNAL__TOKEN"] = VALID_TOKEN  # the placeholder, filled in
     settings = check_settings_env(module, env, monkeypatch)
     assert settings.env == "prod"
     assert settings.redis.prefix == K.Keys().prefix
+    # Prod refuses default bucket keys only where a bucket is configured: the bucket roles.
+    assert ("bucket" in settings.model_fields_set) == (workload in BUCKET_ROLES)
+    if workload in BUCKET_ROLES:
+        assert settings.bucket.region == bucket_roles.REGION  # narrow roles: no GetBucketLocation
 
 
 def test_the_secret_template_refuses_to_run_unfilled(monkeypatch: pytest.MonkeyPatch) -> None:
     secret = by_kind(base_docs(), "Secret")["nextstate-secrets"]["stringData"]
     assert all(v.startswith("CHANGE-ME") for v in secret.values()), "ship placeholders only"
-    monkeypatch.setenv("NEXTSTATE_REDIS__URL", secret["NEXTSTATE_REDIS__URL"])
-    with pytest.raises(SettingsError, match="NEXTSTATE_REDIS__URL"):
+    # Redis refuses to start (its ACL script), naming the first password still CHANGE-ME.
+    script = by_kind(base_docs(), "ConfigMap")["redis-acl"]["data"]["users-acl.sh"]
+    env = {"PATH": os.environ["PATH"], "NEXTSTATE_REDIS__PREFIX": "nextstate", **secret}
+    out = subprocess.run(["sh", "-c", script.replace("/data/", "/nonexistent/")], env=env,
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 1 and "set REDIS_PASSWORD" in out.stderr, out.stderr
+    monkeypatch.setenv("NEXTSTATE_REDIS__URL", VALID_REDIS_URL)
+    monkeypatch.setenv("NEXTSTATE_INTERNAL__TOKEN", secret["NEXTSTATE_INTERNAL__TOKEN"])
+    with pytest.raises(SettingsError, match="NEXTSTATE_INTERNAL__TOKEN"):
         load_settings(settings_class("services.judge"))
 
 
@@ -158,7 +191,7 @@ def test_every_reference_resolves() -> None:
     docs = base_docs()
     maps, secrets = by_kind(docs, "ConfigMap"), by_kind(docs, "Secret")
     claims = by_kind(docs, "PersistentVolumeClaim")
-    for name, spec, c in containers(docs):
+    for name, spec, c in containers(docs, (*WORKLOADS, "Job")):
         for src in c.get("envFrom", []):
             ref = src.get("configMapRef") or src["secretRef"]
             assert ref["name"] in (maps if "configMapRef" in src else secrets), name
@@ -166,7 +199,13 @@ def test_every_reference_resolves() -> None:
             ref = item.get("valueFrom", {}).get("secretKeyRef")
             if ref:
                 assert ref["key"] in secrets[ref["name"]]["stringData"], f"{name}: {ref}"
+            ref = item.get("valueFrom", {}).get("configMapKeyRef")
+            if ref:
+                assert ref["key"] in maps[ref["name"]]["data"], f"{name}: {ref}"
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for v in volumes.values():
+            if "configMap" in v:
+                assert v["configMap"]["name"] in maps, f"{name}: {v['configMap']}"
         for mount in c.get("volumeMounts", []):
             assert mount["name"] in volumes or name == "redis", f"{name}: {mount['name']}"
         for v in volumes.values():
@@ -291,3 +330,228 @@ def test_kustomize_renders(folder: Path) -> None:
         assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
     else:
         assert engine["image"].startswith("nextstate-torch")
+    check_bucket_access(docs)  # the GPU trainer too: the patch keeps the base's bucket
+
+
+def test_every_workload_gets_the_internal_token_and_sglang_checks_it() -> None:
+    docs = base_docs()
+    for name, c, _ in ours(docs):
+        refs = {i["name"]: i["valueFrom"]["secretKeyRef"] for i in c["env"] if "valueFrom" in i}
+        assert refs["NEXTSTATE_INTERNAL__TOKEN"] == {"name": "nextstate-secrets",
+                                                     "key": "NEXTSTATE_INTERNAL__TOKEN"}, name
+    # SGLang (GPU overlay) gets it as --api-key, expanded by Kubernetes from the container's
+    # environment, which the patch keeps from the base engine container.
+    patch = yaml.safe_load((GPU / "engine-sglang.yaml").read_text())["spec"]["template"]["spec"]
+    args = patch["containers"][0]["args"]
+    assert args[args.index("--api-key") + 1] == "$(NEXTSTATE_INTERNAL__TOKEN)"
+    engine = by_kind(docs, "Deployment")["engine"]["spec"]["template"]["spec"]["containers"][0]
+    assert "NEXTSTATE_INTERNAL__TOKEN" in {i["name"] for i in engine["env"]}
+    # Probes never need it: SGLang's are on /health (open there too).
+    assert {patch["containers"][0][p]["httpGet"]["path"] for p in
+            ("startupProbe", "livenessProbe", "readinessProbe")} == {"/health"}
+
+
+# Each service's own Redis ACL user (services/ctl/redis_acl.py); the engine has none.
+REDIS_ROLES = {"collector": "collector", "judge": "judge", "buffer": "buffer", "trainer": "trainer",
+               "watcher": "watcher"}
+
+
+def test_each_service_connects_to_redis_as_its_own_user() -> None:
+    docs = base_docs()
+    secret = by_kind(docs, "Secret")["nextstate-secrets"]["stringData"]
+    for name, c, _ in ours(docs):
+        env = container_env(c, docs)
+        role = REDIS_ROLES.get(name)
+        if role is None:
+            assert "NEXTSTATE_REDIS__URL" not in env, f"{name} never uses Redis: no credential"
+            continue
+        url = urlsplit(env["NEXTSTATE_REDIS__URL"])
+        assert (url.username, url.hostname, url.port, url.path) == (role, "redis", 6379, "/0"), name
+        password_ref = next(i for i in c["env"] if i["name"] == "REDIS_USER_PASSWORD")
+        assert password_ref["valueFrom"]["secretKeyRef"]["key"] == redis_acl.PASSWORD_VARS[role], name
+        assert url.password == secret[redis_acl.PASSWORD_VARS[role]], name
+    assert set(REDIS_ROLES) == {n for n, _, _ in ours(docs)} - {"engine"}
+
+
+def test_redis_has_the_acl_users_of_the_module() -> None:
+    """The Redis pod writes its aclfile with the module's script (the same users and rules),
+    from a password per user in the Secret, then runs redis-server with it and AOF.
+    Run for real in tests/integration/test_redis_acl_deploy.py."""
+    docs = base_docs()
+    assert by_kind(docs, "ConfigMap")["redis-acl"]["data"]["users-acl.sh"] == redis_acl.container_script()
+    secret = by_kind(docs, "Secret")["nextstate-secrets"]["stringData"]
+    assert set(redis_acl.PASSWORD_VARS.values()) <= set(secret)
+    pod = by_kind(docs, "StatefulSet")["redis"]["spec"]["template"]["spec"]
+    (redis,) = pod["containers"]
+    assert redis["command"][:2] == ["sh", "-c"]
+    assert redis["command"][2] == ("sh /etc/redis-acl/users-acl.sh && exec docker-entrypoint.sh redis-server "
+                                   "--aclfile /data/users.acl --appendonly yes --appendfsync always")
+    mount = next(m for m in redis["volumeMounts"] if m["mountPath"] == "/etc/redis-acl")
+    assert next(v for v in pod["volumes"] if v["name"] == mount["name"])["configMap"]["name"] == "redis-acl"
+    env = container_env(redis, docs)
+    for var in redis_acl.PASSWORD_VARS.values():
+        assert env[var] == secret[var]
+    assert env["NEXTSTATE_REDIS__PREFIX"] == K.Keys().prefix
+    assert env["REDISCLI_AUTH"] == secret["REDIS_PASSWORD"]  # the probes' redis-cli is the admin
+
+
+def test_keda_reads_the_backlog_as_the_keda_user() -> None:
+    docs = base_docs()
+    (auth,) = by_kind(docs, "TriggerAuthentication")["redis-auth"]["spec"]["secretTargetRef"]
+    assert (auth["parameter"], auth["key"]) == ("password", redis_acl.PASSWORD_VARS["keda"])
+    judge = by_kind(docs, "StatefulSet")["judge"]["spec"]["template"]["spec"]["containers"][0]
+    judge_env = container_env(judge, docs)
+    for t in by_kind(docs, "ScaledObject")["judge"]["spec"]["triggers"]:
+        assert judge_env[t["metadata"]["usernameFromEnv"]] == "keda"
+
+
+# -- the bucket: one MinIO user per role ---------------------------------------------------
+def bucket_access(c: dict[str, Any]) -> tuple[set[str], dict[str, str]]:
+    """The ConfigMaps a container reads whole, and its bucket-related variables with the
+    Secret key each comes from ("" for a literal value)."""
+    maps = {src["configMapRef"]["name"] for src in c.get("envFrom", []) if "configMapRef" in src}
+    refs = {i["name"]: i.get("valueFrom", {}).get("secretKeyRef", {}).get("key", "") for i in c.get("env", [])}
+    bucket = {k: v for k, v in refs.items()
+              if k.startswith(("NEXTSTATE_BUCKET__", "MINIO_")) or v.startswith(("BUCKET_", "MINIO_"))}
+    return maps, bucket
+
+
+def role_keys(role: str) -> dict[str, str]:
+    return {"NEXTSTATE_BUCKET__ACCESS_KEY": f"BUCKET_{role.upper()}_ACCESS_KEY",
+            "NEXTSTATE_BUCKET__SECRET_KEY": f"BUCKET_{role.upper()}_SECRET_KEY"}
+
+
+def check_bucket_access(docs: list[dict[str, Any]]) -> None:
+    """Trainer, watcher and buffer read nextstate-bucket and their own role's keys; every
+    other container configures no bucket and holds no bucket or MinIO key."""
+    seen = set()
+    for name, _, c in containers(docs):
+        maps, bucket = bucket_access(c)
+        if name in BUCKET_ROLES:
+            seen.add(name)
+            assert "nextstate-bucket" in maps, f"{name} does not read the bucket ConfigMap"
+            assert bucket == role_keys(name), f"{name}: {bucket}"
+        else:
+            assert "nextstate-bucket" not in maps and bucket == {}, f"{name} gets the bucket: {bucket}"
+    assert seen == set(BUCKET_ROLES)
+
+
+def test_only_the_bucket_roles_get_the_bucket_each_with_its_own_keys() -> None:
+    docs = base_docs()
+    maps = by_kind(docs, "ConfigMap")
+    assert not [k for k in maps["nextstate-config"]["data"] if k.startswith("NEXTSTATE_BUCKET__")], \
+        "the shared ConfigMap configures a bucket for every service"
+    assert set(maps["nextstate-bucket"]["data"]) == set(BUCKET_SETTINGS)
+    assert maps["nextstate-bucket"]["data"]["NEXTSTATE_BUCKET__REGION"] == bucket_roles.REGION
+    check_bucket_access(docs)
+    for name, c, _ in ours(docs):
+        env = container_env(c, docs)
+        bucket_vars = {k for k in env if k.startswith("NEXTSTATE_BUCKET__")}
+        if name in BUCKET_ROLES:
+            assert bucket_vars == set(BUCKET_SETTINGS) | set(role_keys(name)), name
+        else:
+            assert bucket_vars == set(), f"{name} configures a bucket it never uses: {bucket_vars}"
+    # One key pair per role in the Secret, no shared pair, and no admin pair: no operator
+    # CLI (ctl) runs in these manifests; only bucket-init uses MinIO's root credentials.
+    secret = by_kind(docs, "Secret")["nextstate-secrets"]["stringData"]
+    bucket_keys = {k for k in secret if k.startswith(("BUCKET_", "NEXTSTATE_BUCKET__", "MINIO_"))}
+    assert bucket_keys == {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"} | {
+        v for role in BUCKET_ROLES for v in role_keys(role).values()}
+    for name, _, c in containers(docs, (*WORKLOADS, "Job")):
+        module = python_module(list(c.get("command", [])) + list(c.get("args", []))) or ""
+        assert module != "nextstate" and not module.startswith("services.ctl"), \
+            f"{name} runs the operator CLI: it needs an admin bucket key pair in the Secret"
+
+
+def test_the_secret_headers_kubectl_command_creates_every_key() -> None:
+    text = (BASE / "secret.yaml").read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    named = re.findall(r"--from-literal=([A-Z_]+)=", header)
+    secret = by_kind(base_docs(), "Secret")["nextstate-secrets"]["stringData"]
+    assert sorted(named) == sorted(secret)
+
+
+def test_bucket_policies_are_the_modules() -> None:
+    """deploy/minio's files cannot be read by kustomize from the base (its load
+    restrictor), so the ConfigMap carries copies: they must say what the module says."""
+    data = by_kind(base_docs(), "ConfigMap")["bucket-policies"]["data"]
+    assert set(data) == {f"nextstate-{role}.json" for role in BUCKET_ROLES}
+    for role in BUCKET_ROLES:
+        assert json.loads(data[f"nextstate-{role}.json"]) == bucket_roles.minio_policy(role), role
+        assert data[f"nextstate-{role}.json"] == (REPO / f"deploy/minio/nextstate-{role}.json").read_text()
+
+
+def bucket_init(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    job = by_kind(docs, "Job")["bucket-init"]
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    return pod, c
+
+
+def run_bucket_init(tmp_path: Path, docs: list[dict[str, Any]], secret: dict[str, str]
+                    ) -> tuple[subprocess.CompletedProcess[str], list[list[str]]]:
+    """The Job's script under sh with the Secret's values, a stand-in `mc` on PATH that
+    records its arguments (one call a line, NUL between them)."""
+    for d in docs:
+        if d["kind"] == "Secret":
+            d["stringData"] = secret
+    _, c = bucket_init(docs)
+    assert c["command"][:2] == ["/bin/sh", "-c"]
+    log = tmp_path / "mc.log"
+    log.unlink(missing_ok=True)
+    fake = tmp_path / "bin" / "mc"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" >> {log}\necho >> {log}\n')
+    fake.chmod(0o755)
+    env = {**container_env(c, docs), "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["sh", "-c", c["command"][2]], env=env, capture_output=True, text=True,
+                         timeout=30, check=False)
+    calls = [line.split("\0")[:-1] for line in log.read_text().splitlines()] if log.exists() else []
+    return out, calls
+
+
+def test_bucket_init_creates_one_user_per_role_with_its_policy(tmp_path: Path) -> None:
+    docs = base_docs()
+    pod, c = bucket_init(docs)
+    # Pinned like compose's bucket-init; MinIO's endpoint and bucket from nextstate-bucket.
+    assert c["image"] == compose_services()["bucket-init"]["image"]
+    assert ":" in c["image"] and not c["image"].endswith(":latest")
+    assert "nextstate-bucket" in bucket_access(c)[0]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "policies")
+    assert next(v for v in pod["volumes"] if v["name"] == "policies")["configMap"]["name"] == "bucket-policies"
+    assert pod["restartPolicy"] in ("OnFailure", "Never")
+
+    secret = {k: f"Filled{k.title().replace('_', '')}0123" for k in
+              by_kind(docs, "Secret")["nextstate-secrets"]["stringData"]}
+    out, calls = run_bucket_init(tmp_path, docs, secret)
+    assert out.returncode == 0, out.stderr
+    bucket = by_kind(docs, "ConfigMap")["nextstate-bucket"]["data"]
+    assert calls[0] == ["alias", "set", "store", f"http://{bucket['NEXTSTATE_BUCKET__ENDPOINT']}",
+                        secret["MINIO_ROOT_USER"], secret["MINIO_ROOT_PASSWORD"]]
+    assert calls[1] == ["mb", "--ignore-existing", f"store/{bucket['NEXTSTATE_BUCKET__NAME']}"]
+    for role in BUCKET_ROLES:
+        access, secret_key = (secret[k] for k in role_keys(role).values())
+        policy = f"nextstate-{role}"
+        assert ["admin", "policy", "create", "store", policy, f"{mount['mountPath']}/{policy}.json"] in calls
+        assert ["admin", "user", "add", "store", access, secret_key] in calls
+        assert ["admin", "policy", "attach", "store", policy, "--user", access] in calls
+    assert len(calls) == 2 + 3 * len(BUCKET_ROLES)
+
+
+def test_bucket_init_refuses_placeholders_and_shared_users(tmp_path: Path) -> None:
+    docs = base_docs()
+    template = dict(by_kind(docs, "Secret")["nextstate-secrets"]["stringData"])
+    out, calls = run_bucket_init(tmp_path, docs, template)
+    assert out.returncode == 1 and "set MINIO_ROOT_USER" in out.stderr and calls == [], out.stderr
+    filled = {k: f"Filled{k.title().replace('_', '')}0123" for k in template}
+    out, calls = run_bucket_init(tmp_path, docs, {**filled, "BUCKET_BUFFER_SECRET_KEY": "CHANGE-ME"})
+    assert out.returncode == 1 and "set BUCKET_BUFFER_SECRET_KEY" in out.stderr and calls == []
+    shared = {**filled, "BUCKET_WATCHER_ACCESS_KEY": filled["BUCKET_TRAINER_ACCESS_KEY"]}
+    out, calls = run_bucket_init(tmp_path, docs, shared)
+    assert out.returncode == 1 and "must differ" in out.stderr and calls == []
+    # An external store over TLS: SECURE "true" makes it https.
+    for d in docs:
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nextstate-bucket":
+            d["data"]["NEXTSTATE_BUCKET__SECURE"] = "true"
+    out, calls = run_bucket_init(tmp_path, docs, filled)
+    assert out.returncode == 0 and calls[0][3].startswith("https://"), out.stderr

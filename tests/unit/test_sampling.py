@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.engine.sampling import (
+    NoAllowedToken,
     SamplingConfig,
     keep_mask,
     new_generator,
@@ -130,6 +131,75 @@ def test_top_logprobs_are_sorted_and_consistent() -> None:
     assert [t for _, t in top] == torch.topk(lp, 3).indices.tolist()
     assert all(a[0] >= b[0] for a, b in itertools.pairwise(top))
     assert math.isclose(sum(math.exp(v) for v, _ in top_logprobs(lp, 1000)), 1.0, rel_tol=1e-5)
+
+
+# -- a grammar's mask: sample inside it, report the full-vocabulary log-prob ------------------
+
+
+def allowed_ids(vocab: int, ids: list[int]) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids] = True
+    return mask
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(0.8), SamplingConfig(1.2, top_p=0.5, top_k=3),
+                                 SamplingConfig(0.0), SamplingConfig(0.7, top_k=1)])  # fmt: skip
+def test_masked_sampling_stays_inside_and_reports_unmasked_logprobs(cfg: SamplingConfig) -> None:
+    logits = logits_row(9)
+    allowed = allowed_ids(50, [3, 17, 41])  # not the argmax, most likely
+    full = torch.log_softmax(logits.double() / cfg.logprob_temperature, dim=-1)
+    gen = new_generator(4)
+    for _ in range(60):
+        token, lp = sample_token(logits, cfg, gen, allowed)
+        assert token in (3, 17, 41)
+        assert lp == pytest.approx(float(full[token]), abs=1e-5)  # what the trainer recomputes
+
+
+def test_masked_greedy_takes_the_best_allowed_token() -> None:
+    logits = logits_row(10)
+    ids = [5, 6, 7, 30]
+    token, _ = sample_token(logits, SamplingConfig(0.0), None, allowed_ids(50, ids))
+    assert token == max(ids, key=lambda i: float(logits[i]))
+
+
+def test_masked_frequencies_follow_the_renormalised_distribution() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
+    allowed = allowed_ids(5, [1, 2, 3])
+    gen = new_generator(77)
+    n = 20000
+    counts = torch.zeros(5)
+    for _ in range(n):
+        counts[sample_token(logits, SamplingConfig(1.0), gen, allowed)[0]] += 1
+    expected = torch.zeros(5)
+    expected[1:4] = torch.softmax(logits[1:4], -1)
+    assert torch.allclose(counts / n, expected, atol=0.015)
+
+
+def test_top_k_is_measured_inside_the_mask() -> None:
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    allowed = allowed_ids(6, [2, 4, 5])
+    gen = new_generator(3)
+    # top_k=2 within the allowed tokens keeps 2 and 4, even though 0 and 1 are likelier overall
+    seen = {sample_token(logits, SamplingConfig(1.0, top_k=2), gen, allowed)[0] for _ in range(300)}
+    assert seen == {2, 4}
+    # fewer allowed tokens than k: every allowed token stays possible, nothing else
+    seen = {sample_token(logits, SamplingConfig(3.0, top_k=5), gen, allowed)[0] for _ in range(500)}
+    assert seen == {2, 4, 5}
+
+
+def test_an_all_false_mask_is_an_error_not_a_random_token() -> None:
+    with pytest.raises(NoAllowedToken):
+        sample_token(logits_row(1), SamplingConfig(1.0), None, torch.zeros(50, dtype=torch.bool))
+
+
+def test_an_all_true_mask_samples_what_no_mask_samples() -> None:
+    logits = logits_row(12)
+    cfg = SamplingConfig(0.9, top_p=0.9, top_k=20)
+    a, b = new_generator(8), new_generator(8)
+    everything = torch.ones(50, dtype=torch.bool)
+    assert [sample_token(logits, cfg, a)[0] for _ in range(50)] == [
+        sample_token(logits, cfg, b, everything)[0] for _ in range(50)
+    ]
 
 
 # -- stop strings and streamed text -------------------------------------------------------

@@ -43,12 +43,18 @@ def test_invalid_value_names_variable(monkeypatch: pytest.MonkeyPatch, var: str,
 
 def test_prod_refuses_default_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEXTSTATE_ENV", "prod")
+    with pytest.raises(SettingsError, match="NEXTSTATE_INTERNAL__TOKEN is not set"):
+        load_settings(Settings)  # a service without a bucket (collector, judge) needs no keys
+    monkeypatch.setenv("NEXTSTATE_BUCKET__ENDPOINT", "minio:9000")  # one that uses the bucket does
     with pytest.raises(SettingsError, match="NEXTSTATE_BUCKET__ACCESS_KEY"):
         load_settings(Settings)
     monkeypatch.setenv("NEXTSTATE_BUCKET__ACCESS_KEY", "real")
     with pytest.raises(SettingsError, match="NEXTSTATE_BUCKET__SECRET_KEY"):
         load_settings(Settings)
     monkeypatch.setenv("NEXTSTATE_BUCKET__SECRET_KEY", "real-secret")
+    with pytest.raises(SettingsError, match="NEXTSTATE_INTERNAL__TOKEN is not set"):
+        load_settings(Settings)
+    monkeypatch.setenv("NEXTSTATE_INTERNAL__TOKEN", "a-real-internal-token-0123")
     assert load_settings(Settings).env == "prod"
 
 

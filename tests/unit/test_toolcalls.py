@@ -17,6 +17,7 @@ from shared.toolcalls import (
     Delta,
     ParsedCall,
     ReasoningDelta,
+    SpecialText,
     StreamParser,
     ToolCallDelta,
     ToolParser,
@@ -24,6 +25,7 @@ from shared.toolcalls import (
     finish_reason,
     get_tool_parser,
     message_dict,
+    output_markers,
     parse_assistant,
     prompt_opens_reasoning,
     register_tool_parser,
@@ -278,6 +280,43 @@ def test_stream_equals_whole_parse(mode: str) -> None:
         for cfg in cfgs if len(text) < 60 else rng.sample(cfgs, 4):
             deltas, sp = stream(text, cfg, chunk(text, rng, mode))
             assert_same(text, cfg, deltas, sp)
+
+
+def test_special_text_removed_alike_whole_and_streamed() -> None:
+    """Output decoded keeping special tokens (so a special tool-call marker reaches the
+    parser) loses every other special token's text, whatever the chunking, before parsing."""
+    words = ["<|im_end|>", "<|im_start|>", "<|python_tag|>", "</s>", "<s>", "ab", "bcd"]
+    drop = SpecialText(words)
+    rng = random.Random(3)
+    alphabet = ["<", "|", "im_", "end", "start", "|>", "/s>", "s>", "a", "b", "c", "d", " ", "x"]
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 25)))
+        st = drop.stream()
+        streamed = "".join(st.feed(p) for p in chunk(text, rng, "random")) + st.finish()
+        assert streamed == drop.remove(text), text
+    pieces = [*_PIECES, "<|im_end|>", "<|im_start|>", "<|im_", "<s>"]
+    drop = SpecialText(["<|im_end|>", "<|im_start|>", "<s>"])
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        for cfg in rng.sample(configs(), 4):
+            sp = StreamParser(**cfg.kw(), drop=drop)
+            deltas = [d for p in chunk(text, rng, "random") for d in sp.feed(p)] + sp.finish()
+            assert_same(drop.remove(text), cfg, deltas, sp)
+            whole = parse_assistant(text, **cfg.kw(), drop=drop)
+            assert calls_of(whole) == calls_of(parse_assistant(drop.remove(text), **cfg.kw()))
+
+
+def test_output_markers() -> None:
+    assert output_markers("hermes", tools_enabled=True, reasoning=False) == (
+        "<tool_call>",
+        "</tool_call>",
+    )
+    assert output_markers("mistral", tools_enabled=True, reasoning=True) == (
+        "[TOOL_CALLS]",
+        "<think>",
+        "</think>",
+    )
+    assert output_markers("mistral", tools_enabled=False, reasoning=False) == ()
 
 
 def test_stream_emits_early_and_holds_only_possible_markers() -> None:
