@@ -10,6 +10,7 @@ only then rename the folder into place: a bad download leaves nothing behind.
     policies/<run>/LATEST                    LatestPointer
     policies/<run>/RUN.json                  RunRecord: the run's base model (shared/runs.py)
     trainer-state/<run>/…                    optimizer + step for resume
+    evals/<run>/v000042/<suite>.json         EvalResult of each suite on that version
     samples/<run>/…                          archived samples
 
 Everything here is blocking; asyncio code calls it through `AsyncBucket.run`.
@@ -80,6 +81,18 @@ def manifest_key(run: str, version: int) -> str:
 
 def latest_key(run: str) -> str:
     return policies_prefix(run) + LATEST
+
+
+def evals_prefix(run: str) -> str:
+    return f"evals/{_run(run)}/"
+
+
+def eval_key(run: str, version: int, suite: str) -> str:
+    """An EvalResult of `suite` on `version` (written by the evaluator, which may write
+    nothing else: a key of its own, not inside the version's folder)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", suite):
+        raise ValueError(f"invalid suite name {suite!r}: letters, digits and _ . - only")
+    return f"{evals_prefix(run)}{version_dirname(version)}/{suite}.json"
 
 
 def run_key(run: str) -> str:

@@ -13,14 +13,18 @@ SCORED = "scored"
 BATCHES = "batches"
 CHECKPOINTS = "checkpoints"
 POLICY = "policy"
+EVALS = "evals"
+PROMOTIONS = "promotions"
 DEAD = "dead"
-STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, DEAD)
+STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, EVALS, PROMOTIONS, DEAD)
 
 # Consumer groups (stream -> group that consumes it).
 GROUP_JUDGE = "judge"
 GROUP_BUFFER = "buffer"
 GROUP_TRAINER = "trainer"
 GROUP_ARCHIVE = "archive"  # the buffer's archiver, beside the trainer on `batches`
+GROUP_EVALUATOR = "evaluator"  # on `checkpoints`: enqueues one evaluation job per suite
+GROUP_GATE = "gate"  # the watcher's promotion gate, on `evals`
 GROUPS = {TURNS: GROUP_JUDGE, SCORED: GROUP_BUFFER, BATCHES: GROUP_TRAINER}
 
 # The single field of a stream entry that holds the message JSON.
@@ -64,6 +68,14 @@ class Keys:
     @property
     def dead(self) -> str:
         return self.stream(DEAD)
+
+    @property
+    def evals(self) -> str:
+        return self.stream(EVALS)
+
+    @property
+    def promotions(self) -> str:
+        return self.stream(PROMOTIONS)
 
     # -- bus bookkeeping ---------------------------------------------------------
     def done(self, group: str, message_id: str) -> str:
@@ -159,6 +171,28 @@ class Keys:
         """The parked ScoredTurn JSON of a force candidate."""
         return f"{self.prefix}:force-candidate:{turn_id}"
 
+    # -- evaluation and promotion ---------------------------------------------------------
+    def eval_enqueued(self, job_id: str) -> str:
+        """Set (NX) when an evaluation job id was enqueued: enqueuing twice runs it once."""
+        return f"{self.prefix}:eval-enqueued:{job_id}"
+
+    @property
+    def gate_state(self) -> str:
+        """Hash written by the watcher's gate: `promoted` (JSON list of promoted versions,
+        oldest first), `best` (JSON suite -> best promoted score), `serving`, `decided_at`."""
+        return f"{self.prefix}:gate-state"
+
+    @property
+    def lineage(self) -> str:
+        """JSON {"base": version, "at", "by"}: the version the trainer must build on next
+        (`nextstate rollback`, or the gate rolling back). The trainer rebases on it."""
+        return f"{self.prefix}:lineage-base"
+
     # -- rq job queues -----------------------------------------------------------------
     def queue(self, name: str) -> str:
         return f"{self.prefix}-{name}"
+
+    @property
+    def eval_queue(self) -> str:
+        """The rq queue of evaluation jobs (one job = one suite on one version)."""
+        return self.queue("eval")

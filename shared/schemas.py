@@ -219,6 +219,9 @@ class CheckpointManifest(Message):
     version: int = Field(ge=0)
     step: int = Field(0, ge=0)
     base_model: str = ""
+    # The version this one was trained from (0: the base model; None: not recorded).
+    # After a rollback to K, the next version's parent is K: a lineage, never a reuse.
+    parent: int | None = None
     files: list[CheckpointFile]
     consumed_batch_ids: list[str] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)
@@ -260,6 +263,58 @@ class PolicyLoaded(Message):
     # Why it was loaded: a version the watcher had not served yet (new LATEST, rollback,
     # fallback), or the one it serves put back into an engine that lost it (restart, ...).
     cause: Literal["new_version", "reconcile"] = "new_version"
+    # With the gate on: why this version may be served (the Promotion's reasons).
+    promotion: str | None = None
+
+
+class TaskResult(BaseModel):
+    """One task of an evaluation suite: its score (0..1 for pass/fail tasks) and details."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str
+    score: float
+    passed: bool | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvalResult(Message):
+    """One suite run on one candidate version. Its `id` is `eval_job_id(run, version,
+    suite)`: a rerun (a worker killed mid-job) publishes the same id, deduplicated."""
+
+    type: Literal["eval_result"] = "eval_result"
+    run: str
+    version: int = Field(ge=0)
+    suite: str
+    score: float
+    higher_is_better: bool = True  # False for drift (a KL: lower is better)
+    n: int = Field(0, ge=0)  # tasks (or samples) behind the score
+    ci_low: float | None = None  # a 95% confidence interval of the score
+    ci_high: float | None = None
+    tasks: list[TaskResult] = Field(default_factory=list)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    duration_s: float = 0.0
+    engine: str = ""  # the evaluation engine that served the candidate
+    worker: str = ""
+
+
+def eval_job_id(run: str, version: int, suite: str) -> str:
+    """The deterministic id of the evaluation job (and its EvalResult): run/version/suite."""
+    return f"eval.{run}.v{version:06d}.{suite}"
+
+
+class Promotion(Message):
+    """The gate's decision on a version: served (`promoted`), not served (`refused`), or
+    served and then taken back (`rolled_back`), with the reasons and the scores seen."""
+
+    type: Literal["promotion"] = "promotion"
+    run: str
+    version: int = Field(ge=0)
+    decision: Literal["promoted", "refused", "rolled_back"]
+    reasons: list[str] = Field(default_factory=list)
+    scores: dict[str, float] = Field(default_factory=dict)  # suite -> score of this version
+    baseline: dict[str, float] = Field(default_factory=dict)  # suite -> best served score
+    serving: int | None = None  # what the engine serves after the decision
 
 
 class DeadLetter(Message):
@@ -283,6 +338,8 @@ AnyMessage = Annotated[
     | CheckpointManifest
     | CheckpointPublished
     | PolicyLoaded
+    | EvalResult
+    | Promotion
     | DeadLetter,
     Field(discriminator="type"),
 ]
@@ -296,6 +353,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "checkpoint_manifest": CheckpointManifest,
     "checkpoint_published": CheckpointPublished,
     "policy_loaded": PolicyLoaded,
+    "eval_result": EvalResult,
+    "promotion": Promotion,
     "dead_letter": DeadLetter,
 }
 

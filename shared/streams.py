@@ -38,7 +38,7 @@ SHED = Counter(
 )
 
 # Streams nobody consumes in a group: trimmed to the bound (oldest first) rather than shed.
-TRIMMED = frozenset({K.CHECKPOINTS, K.POLICY})
+TRIMMED = frozenset({K.CHECKPOINTS, K.POLICY, K.EVALS, K.PROMOTIONS})
 # Never shed, never trimmed: every dead letter waits for an operator.
 UNBOUNDED = frozenset({K.DEAD})
 

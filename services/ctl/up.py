@@ -399,7 +399,8 @@ class Stack:
         for p in self.sup.procs:
             if p.name not in ("redis", "s3"):
                 say("up", f"{p.name:<10} {self._url_of(p)}  [{p.state}]")
-        say("up", f"stack record: {self.record_path}")
+        say("up", f"stack record: {self.record_path} (credentials: {self.secrets_path.name} beside it, "
+                  "owner-only); every `nextstate` command finds this stack through it")
         keys = os.environ.get("NEXTSTATE_COLLECTOR__API_KEYS")
         say("up", f"OpenAI endpoint: {self.url('collector', '/v1')}"
                   + (" (use one of NEXTSTATE_COLLECTOR__API_KEYS)" if keys else ""))

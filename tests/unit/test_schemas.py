@@ -11,12 +11,16 @@ from shared.schemas import (
     CheckpointManifest,
     CheckpointPublished,
     DeadLetter,
+    EvalResult,
     PolicyLoaded,
+    Promotion,
     ScoredTurn,
+    TaskResult,
     TrainBatch,
     TrainSample,
     Turn,
     Vote,
+    eval_job_id,
     parse_message,
 )
 
@@ -51,7 +55,10 @@ EXAMPLES = [
     TrainBatch(samples=[a_sample(), a_sample(reward=-1.0)]),
     CheckpointManifest(run="r", version=3, files=[CheckpointFile(path="model.safetensors", size=10, sha256="0" * 64)]),
     CheckpointPublished(run="r", version=3, manifest="policies/r/v000003/manifest.json"),
-    PolicyLoaded(run="r", version=3, weight_version="3"),
+    PolicyLoaded(run="r", version=3, weight_version="3", promotion="demo 0.8 >= 0.75"),
+    EvalResult(id=eval_job_id("r", 3, "demo"), run="r", version=3, suite="demo", score=0.8, n=2,
+               ci_low=0.3, ci_high=0.97, tasks=[TaskResult(task="q1", score=1.0, passed=True)]),
+    Promotion(run="r", version=3, decision="refused", reasons=["drift 2.1 > 0.5"], scores={"drift": 2.1}),
     DeadLetter(stream="turns", group="judge", entry_id="1-0", data="{}", error="boom", deliveries=5),
 ]
 
