@@ -136,7 +136,12 @@ def read_manifest(bucket: Bucket, key: str) -> CheckpointManifest:
 
 
 def set_latest(bucket: Bucket, run: str, version: int) -> LatestPointer:
-    """Point LATEST at `version` (rollback); refuses a version without a valid manifest."""
+    """Point LATEST at `version`; refuses a version without a valid manifest.
+
+    A rollback goes through `shared.lineage.request_rebase`, which records the rebase for
+    the trainer first and then calls this. The trainer calls it itself only to put LATEST
+    back on the version it rebased on (a commit of the abandoned lineage raced the rollback).
+    """
     key = manifest_key(run, version)
     manifest = read_manifest(bucket, key)
     if manifest.version != version or manifest.run != run:
@@ -212,6 +217,8 @@ def publish_checkpoint(
     base_model: str = "",
     consumed_batch_ids: Iterable[str] = (),
     metrics: dict[str, float] | None = None,
+    parent: int | None = None,
+    guard: Callable[[LatestPointer | None], None] | None = None,
     parallel: int = 4,
 ) -> CheckpointManifest:
     """Upload every file of `src_dir` (sha256 computed while reading), then the manifest,
@@ -221,6 +228,14 @@ def publish_checkpoint(
     finished out of order), the manifest is written but LATEST is left alone. Rollback is
     `set_latest`'s job. An unreadable LATEST is replaced (with a warning), never a reason
     for every commit to fail.
+
+    `parent` is the version these weights were trained from (0: the base model), recorded
+    in the manifest. `guard`, if given, is shown LATEST (None: absent or unreadable) after
+    the files are up and again just before LATEST is written, and raises to stop the
+    publish: a rollback arrived and this version belongs to the abandoned lineage
+    (services/trainer/follow.py). Stopped at the first look, no manifest is written (the
+    version stays half-uploaded); at the second, the manifest is deleted again, so neither
+    a reader nor a resume takes it for committed. Its exception propagates.
     """
     src = Path(src_dir)
     prefix = version_prefix(run, version)
@@ -234,12 +249,16 @@ def publish_checkpoint(
     uploaded = _parallel(upload, files, parallel,
                          lambda rel: f"publishing {run} v{version}: uploading {rel!r} failed "
                                      f"(LATEST not moved)")
+    if guard is not None:
+        guard(_pointer_to_replace(bucket, run))
     manifest = CheckpointManifest(
-        run=run, version=version, step=step, base_model=base_model, files=uploaded,
+        run=run, version=version, step=step, base_model=base_model, parent=parent, files=uploaded,
         consumed_batch_ids=list(consumed_batch_ids), metrics=dict(metrics or {}),
     )
     bucket.put_json(manifest_key(run, version), manifest)
     current = _pointer_to_replace(bucket, run)
+    if guard is not None:
+        _guard_latest(bucket, run, version, guard, current)
     if current is not None and current.version > version:
         log.warning("LATEST already at a newer version; not moving it back",
                     extra={"run": run, "version": version, "latest": current.version})
@@ -250,6 +269,23 @@ def publish_checkpoint(
         "run": run, "version": version, "files": len(uploaded), "bytes": total,
         "seconds": round(time.monotonic() - t0, 3)})
     return manifest
+
+
+def _guard_latest(
+    bucket: Bucket, run: str, version: int, guard: Callable[[LatestPointer | None], None],
+    current: LatestPointer | None,
+) -> None:
+    """`guard(current)`; when it refuses, take the manifest back before its error propagates."""
+    try:
+        guard(current)
+    except BaseException:
+        try:
+            bucket.delete(manifest_key(run, version))
+        except StoreError as exc:  # left behind: a resume finishes it only if its parent is LATEST's
+            log.warning("could not delete the manifest of a version stopped before LATEST",
+                        extra={"run": run, "version": version, "error": str(exc)})
+        log.info("publish stopped before LATEST; manifest withdrawn", extra={"run": run, "version": version})
+        raise
 
 
 def _pointer_to_replace(bucket: Bucket, run: str) -> LatestPointer | None:

@@ -6,14 +6,20 @@ it is written and uploaded. Committing a snapshot, all blocking:
 
     1. the HF folder (safetensors, config, generation config, tokenizer) on local disk
     2. trainer state  trainer-state/<run>/v000042/state.pt   (optimizer, RNG, LoRA adapter)
-                      trainer-state/<run>/v000042/state.json (step, consumed ids: written last)
-    3. `publish_checkpoint`: model files, manifest (this version's batch ids), LATEST
+                      trainer-state/<run>/v000042/state.json (step, consumed ids, parent: last)
+    3. `publish_checkpoint`: model files, manifest (this version's batch ids, its `parent`:
+       the version it was trained from, 0 for the base model), LATEST — each of the last
+       two only if the service's guard still agrees (a rollback stops an abandoned
+       lineage's commit before LATEST: services/trainer/follow.py)
     4. retention: old versions and their trainer states
 
 LATEST is the trainer's commit point. On start `find_resume_point` follows it; a
-version whose manifest is newer than the LATEST pointer itself and whose trainer state
-exists is the trainer's own commit interrupted between manifest and LATEST, and is
-finished first (an operator's rollback writes a newer pointer, so it is never undone).
+version whose manifest is newer than the LATEST pointer itself, whose parent is LATEST's
+version and whose trainer state exists is the trainer's own commit interrupted between
+manifest and LATEST, and is finished first (an operator's rollback writes a newer
+pointer, and a version of the lineage it abandoned has another parent, so a rollback is
+never undone). A rebase (a rollback followed while running) loads a given version the
+same way: `find_resume_point(..., at=K)`.
 
 A bad checkpoint degrades, never kills: each candidate is verified (manifest, trainer
 state, every downloaded file's size and sha256) and one that fails is refused — reported in
@@ -34,14 +40,20 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.trainer.model import export_state_dict, is_lora, save_hf_folder
+from services.trainer.model import (
+    ModelError,
+    export_state_dict,
+    is_lora,
+    load_causal_lm,
+    save_hf_folder,
+)
 from services.trainer.step import Trainer
 from shared.checkpoints import (
     all_versions,
@@ -102,17 +114,19 @@ class Snapshot:
 
     version: int
     step: int
+    parent: int | None  # the version these weights were trained from (0: the base model)
     batch_ids: list[str]  # the batches trained since the previous version
     consumed: list[str]  # recent consumed ids of this lineage, oldest first (for replays)
     weights: dict[str, torch.Tensor]
     tensors: dict[str, Any]  # optimizer, RNG, adapter
     metrics: dict[str, float] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.time)
+    epoch: int = 0  # the service's rebase count when taken: an older one is abandoned
 
 
 def take_snapshot(
     trainer: Trainer, version: int, step: int, batch_ids: Sequence[str], consumed: Sequence[str],
-    metrics: dict[str, float],
+    metrics: dict[str, float], *, parent: int | None = None, epoch: int = 0,
 ) -> Snapshot:
     """Copy what a version needs; call between steps, on the thread that trains."""
     from services.trainer.model import adapter_state
@@ -123,8 +137,8 @@ def take_snapshot(
         "adapter": _cpu_clone(adapter_state(trainer.model)) if is_lora(trainer.model) else None,
     }
     return Snapshot(
-        version=version, step=step, batch_ids=list(batch_ids), consumed=list(consumed),
-        weights=export_state_dict(trainer.model), tensors=tensors, metrics=dict(metrics),
+        version=version, step=step, parent=parent, batch_ids=list(batch_ids), consumed=list(consumed),
+        weights=export_state_dict(trainer.model), tensors=tensors, metrics=dict(metrics), epoch=epoch,
     )  # fmt: skip
 
 
@@ -138,8 +152,10 @@ def commit_snapshot(
     static_dir: Path | None,
     base_model: str,
     keep: int,
+    guard: Callable[[LatestPointer | None], None] | None = None,
 ) -> CheckpointManifest:
-    """Write, upload and commit one version (idempotent: a retry redoes it whole)."""
+    """Write, upload and commit one version (idempotent: a retry redoes it whole). `guard`
+    as in `publish_checkpoint`: it may stop the commit before the manifest or LATEST."""
     folder = work_dir / f"snapshot-{version_dirname(snap.version)}"
     shutil.rmtree(folder, ignore_errors=True)
     try:
@@ -147,13 +163,13 @@ def commit_snapshot(
         state_file = folder / STATE_TENSORS
         torch.save(snap.tensors, state_file)
         bucket.put_file(state_key(run, snap.version, STATE_TENSORS), state_file)
-        meta = {"version": snap.version, "step": snap.step, "base_model": base_model,
+        meta = {"version": snap.version, "step": snap.step, "base_model": base_model, "parent": snap.parent,
                 "consumed_batch_ids": snap.consumed, "created_at": time.time()}
         bucket.put_bytes(state_key(run, snap.version, STATE_META), json.dumps(meta).encode(),
                          content_type="application/json")
         manifest = publish_checkpoint(
             bucket, run, snap.version, folder / "model", step=snap.step, base_model=base_model,
-            consumed_batch_ids=snap.batch_ids, metrics=snap.metrics,
+            consumed_batch_ids=snap.batch_ids, metrics=snap.metrics, parent=snap.parent, guard=guard,
         )  # fmt: skip
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -191,6 +207,7 @@ class ResumePoint:
     tensors: dict[str, Any] | None = None  # optimizer, RNG, adapter (None: start fresh)
     manifest: CheckpointManifest | None = None
     refused: list[Refusal] = field(default_factory=list)  # newer checkpoints that did not verify
+    latest: LatestPointer | None = None  # LATEST as the resume left it (None: absent or unreadable)
 
 
 class _Unverified(Exception):
@@ -255,7 +272,9 @@ def _read_pointer(bucket: Bucket, run: str) -> tuple[LatestPointer | None, list[
 def _interrupted_commit(
     bucket: Bucket, run: str, latest: LatestPointer | None, committed: list[int]
 ) -> int | None:
-    """The trainer's own commit cut off between manifest and LATEST, if the newest version is one."""
+    """The trainer's own commit cut off between manifest and LATEST, if the newest version is
+    one: written after the pointer, trained from the version the pointer names (a version of
+    a lineage a rollback abandoned has another parent), with its trainer state."""
     newer = [v for v in committed if latest is None or v > latest.version]
     if not newer:
         return None
@@ -265,6 +284,8 @@ def _interrupted_commit(
     except (NoCheckpoint, CorruptCheckpoint):
         return None  # not a commit to finish; not a resume candidate either
     pointer_time = latest.committed_at if latest is not None else 0.0
+    if manifest.parent is not None and manifest.parent != (latest.version if latest is not None else 0):
+        return None
     if manifest.created_at > pointer_time and bucket.exists(state_key(run, v, STATE_META)):
         return v
     return None
@@ -337,20 +358,71 @@ def _open_version(bucket: Bucket, run: str, version: int, dest: Path, *, need_we
     )
 
 
-def find_resume_point(bucket: Bucket, run: str, dest: Path, *, need_weights: bool = True) -> ResumePoint:
+def apply_point(trainer: Trainer, point: ResumePoint, base_model: str) -> None:
+    """Rebase the live trainer on `point` (a rollback followed while running): its weights,
+    optimizer state and RNG, in place, as `build_trainer` would have started from it. The
+    reference model and the optimizer's parameters stay the same objects, so nothing else is
+    reloaded. A point without trainer state starts the optimizer fresh, as a resume does.
+
+    `ModelError` when it cannot be done in place (LoRA, and the point holds no adapter): the
+    service then restarts, and the restart resumes from the rollback.
+    """
+    tensors = point.tensors or {}
+    adapter = tensors.get("adapter")
+    if is_lora(trainer.model):
+        if adapter is None:
+            raise ModelError(f"v{point.version} has no saved LoRA adapter: a rebase on it needs a restart")
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(trainer.model, adapter)
+    else:
+        if adapter is not None:
+            raise ModelError(f"the trainer state of v{point.version} holds a LoRA adapter but LoRA is off")
+        dtype = next(trainer.model.parameters()).dtype
+        source = load_causal_lm(point.model_dir or base_model, torch.device("cpu"), dtype)
+        with torch.no_grad():
+            trainer.model.load_state_dict(source.state_dict())
+        del source
+    if "optimizer" in tensors:
+        trainer.optimizer.load_state_dict(tensors["optimizer"])
+        o = trainer.optim
+        for group in trainer.optimizer.param_groups:  # the configuration wins, as in build_trainer
+            group.update(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
+        restore_rng(tensors["rng"])
+    else:
+        trainer.optimizer.state.clear()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def rebase_candidates(at: int, committed: Sequence[int]) -> list[int]:
+    """Versions to try for a rebase onto `at`: it, then every committed version below it."""
+    return [at, *sorted((v for v in committed if v < at), reverse=True)]
+
+
+def find_resume_point(
+    bucket: Bucket, run: str, dest: Path, *, need_weights: bool = True, at: int | None = None
+) -> ResumePoint:
     """Where training resumes: the newest version that verifies (weights, manifest, trainer
     state), the versions refused on the way, and the next free version number.
 
     `need_weights` False (LoRA with a saved adapter) skips downloading the merged weights,
     so their checksums are not checked here (the watcher checks them before serving).
+
+    `at` is a rebase (a rollback the trainer follows): the candidates are `at` and the
+    committed versions below it, whatever LATEST says, and no interrupted commit is
+    finished. The next version number is the same either way: above everything.
     """
     committed = list_versions(bucket, run)
     latest, refused = _read_pointer(bucket, run)
     unreadable = bool(refused)
     taken = [*all_versions(bucket, run), *state_versions(bucket, run), latest.version if latest else 0]
     next_version = max(taken, default=0) + 1
-    interrupted = None if unreadable else _interrupted_commit(bucket, run, latest, committed)
-    for v in resume_candidates(latest, unreadable, committed, interrupted):
+    if at is not None:
+        interrupted, candidates = None, rebase_candidates(at, committed)
+    else:
+        interrupted = None if unreadable else _interrupted_commit(bucket, run, latest, committed)
+        candidates = resume_candidates(latest, unreadable, committed, interrupted)
+    for v in candidates:
         try:
             point = _open_version(bucket, run, v, dest, need_weights=need_weights)
         except _Unverified as exc:
@@ -358,7 +430,7 @@ def find_resume_point(bucket: Bucket, run: str, dest: Path, *, need_weights: boo
             continue
         if v == interrupted:
             log.warning("finishing a commit interrupted before LATEST moved", extra={"run": run, "version": v})
-            set_latest(bucket, run, v)
-        point.next_version, point.refused = next_version, refused
+            latest = set_latest(bucket, run, v)
+        point.next_version, point.refused, point.latest = next_version, refused, latest
         return point
-    return ResumePoint(version=0, step=0, next_version=next_version, consumed=[], refused=refused)
+    return ResumePoint(version=0, step=0, next_version=next_version, consumed=[], refused=refused, latest=latest)

@@ -31,12 +31,29 @@ FAILED_BATCHES = Counter("nextstate_trainer_failed_batches_total", "Batches whos
 REPLAYED = Counter(
     "nextstate_trainer_replayed_batches_total", "Batches already in a committed version, acked untrained"
 )
-VERSION = Gauge("nextstate_trainer_version", "Newest committed version")
+VERSION = Gauge("nextstate_trainer_version", "Newest committed version of the lineage trained on")
 COMMITS = Counter("nextstate_trainer_commits_total", "Versions committed to the bucket")
 COMMIT_FAILURES = Counter("nextstate_trainer_commit_failures_total", "Commit attempts that failed")
 REFUSED_VERSIONS = Counter(
     "nextstate_trainer_refused_versions_total",
     "Checkpoints passed over at resume because they did not verify", ["reason"],
+)
+REBASES = Counter(
+    "nextstate_trainer_rebases_total",
+    "Rollbacks followed: the trainer rebased on an earlier version's weights and optimizer state "
+    "(by: operator | gate, from the rebase record; latest, LATEST moved back by hand)", ["by"],
+)
+ABANDONED_SNAPSHOTS = Counter(
+    "nextstate_trainer_abandoned_snapshots_total",
+    "Versions trained but not committed because a rollback abandoned their lineage",
+)
+ABANDONED_BATCHES = Counter(
+    "nextstate_trainer_abandoned_batches_total",
+    "Batches acked without training: every sample came from a version a rollback abandoned",
+)
+ABANDONED_SAMPLES = Counter(
+    "nextstate_trainer_abandoned_samples_total",
+    "Samples not trained because a version a rollback abandoned generated them",
 )
 PENDING_UPLOADS = Gauge("nextstate_trainer_pending_uploads", "Versions snapshotted, not yet committed")
 COMMIT_SECONDS = Histogram(

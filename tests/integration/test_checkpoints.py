@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from shared.checkpoints import (
     version_prefix,
 )
 from shared.errors import ChecksumMismatch, CorruptCheckpoint, NoCheckpoint, StoreError
-from shared.schemas import CheckpointFile
+from shared.schemas import CheckpointFile, LatestPointer
 from shared.settings import Settings
 from shared.store import Bucket, MiB
 
@@ -185,6 +185,40 @@ def test_set_latest_rollback_and_refusal(bucket: Bucket, run: str, tmp_path: Pat
     bucket.put_bytes(latest_key(run), b'{"version": "nope"}')
     with pytest.raises(CorruptCheckpoint, match="LATEST"):
         read_latest(bucket, run)
+
+
+class Rollback(Exception):
+    pass
+
+
+def test_publish_records_the_parent_and_a_guard_can_stop_it_before_latest(
+    bucket: Bucket, run: str, tmp_path: Path
+) -> None:
+    m1 = publish_checkpoint(bucket, run, 1, make_checkpoint(tmp_path / "v1", seed=1), parent=0)
+    assert m1.parent == 0 and read_manifest(bucket, manifest_key(run, 1)).parent == 0
+    seen: list[int | None] = []
+
+    def refuse_at(call: int) -> Callable[[LatestPointer | None], None]:
+        def guard(latest: LatestPointer | None) -> None:
+            seen.append(latest.version if latest else None)
+            if len(seen) == call:
+                raise Rollback("a rollback came")
+        return guard
+
+    # Stopped at the first look (files up, before the manifest): a half-uploaded version.
+    with pytest.raises(Rollback):
+        publish_checkpoint(bucket, run, 2, make_checkpoint(tmp_path / "v2", seed=2), parent=1, guard=refuse_at(1))
+    assert seen == [1] and list_versions(bucket, run) == [1] and all_versions(bucket, run) == [1, 2]
+    # Stopped at the second look (after the manifest): the manifest is taken back.
+    seen.clear()
+    with pytest.raises(Rollback):
+        publish_checkpoint(bucket, run, 3, make_checkpoint(tmp_path / "v3", seed=3), parent=1, guard=refuse_at(2))
+    assert seen == [1, 1] and list_versions(bucket, run) == [1] and not bucket.exists(manifest_key(run, 3))
+    assert read_latest(bucket, run).version == 1  # type: ignore[union-attr]
+    # A guard that lets it go: committed, LATEST moves.
+    seen.clear()
+    m4 = publish_checkpoint(bucket, run, 4, make_checkpoint(tmp_path / "v4", seed=4), parent=1, guard=refuse_at(3))
+    assert seen == [1, 1] and m4.parent == 1 and read_latest(bucket, run).version == 4  # type: ignore[union-attr]
 
 
 def test_publish_replaces_an_unreadable_latest(bucket: Bucket, run: str, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from services.trainer.build import build_trainer
 from services.trainer.checkpoint import (
     STATE_META,
     ResumePoint,
+    apply_point,
     commit_snapshot,
     find_resume_point,
     read_state_meta,
@@ -27,6 +28,7 @@ from shared.checkpoints import (
     download_checkpoint,
     latest_key,
     list_versions,
+    manifest_key,
     read_latest,
     read_manifest,
     set_latest,
@@ -170,6 +172,62 @@ def test_interrupted_commit_is_finished_but_a_rollback_is_not_undone(
     resume = find_resume_point(bucket, run, tmp_path / "r2")
     assert (resume.version, resume.step, resume.next_version) == (1, 1, 3)
     assert LatestPointer.model_validate_json(bucket.get_bytes(latest_key(run))).version == 1
+    assert resume.latest is not None and resume.latest.version == 1
+
+    # A version of the lineage the rollback abandoned (trained from v2), its manifest written
+    # after the rollback's pointer (its upload was in flight): not a commit to finish.
+    m = trainer.step(samples(3))
+    snap = take_snapshot(trainer, 3, 3, ["b3"], ["b1", "b2", "b3"], m, parent=2)
+    commit_snapshot(bucket, run, snap, trainer.model, work_dir=tmp_path, static_dir=static,
+                    base_model=str(tiny_model), keep=5)
+    bucket.put_bytes(latest_key(run), pointer_v1)  # LATEST on v1, written before that manifest
+    resume = find_resume_point(bucket, run, tmp_path / "r3")
+    assert (resume.version, resume.next_version) == (1, 4)
+    assert read_latest(bucket, run).version == 1  # type: ignore[union-attr]
+    # The trainer's own commit on v1 (parent 1), cut off before LATEST, is finished.
+    snap = take_snapshot(trainer, 4, 2, ["b4"], ["b1", "b4"], m, parent=1)
+    commit_snapshot(bucket, run, snap, trainer.model, work_dir=tmp_path, static_dir=static,
+                    base_model=str(tiny_model), keep=5)
+    bucket.put_bytes(latest_key(run), pointer_v1)
+    resume = find_resume_point(bucket, run, tmp_path / "r4")
+    assert (resume.version, resume.consumed, resume.next_version) == (4, ["b1", "b4"], 5)
+    assert read_latest(bucket, run).version == 4  # type: ignore[union-attr]
+
+
+def test_a_rebase_loads_the_version_asked_for_in_place(
+    bucket: Bucket, s3_settings: Settings, tiny_model: Path, tmp_path: Path
+) -> None:
+    run = s3_settings.run
+    cfg = config(tiny_model, kl_beta=0.0)
+    trainer = build_trainer(cfg, ResumePoint(version=0, step=0, next_version=1, consumed=[]))
+    static = write_tokenizer(tiny_model, tmp_path / "static")
+    for v in (1, 2, 3):
+        train_and_commit(bucket, run, trainer, tmp_path, static, tiny_model, version=v, step=v)
+    ids = samples(99, 1)[0].tokens
+    v1 = build_trainer(cfg, find_resume_point(bucket, run, tmp_path / "a", at=1))
+
+    point = find_resume_point(bucket, run, tmp_path / "b", at=1)
+    assert (point.version, point.step, point.consumed, point.next_version) == (1, 1, ["b1"], 4)
+    reference, params = trainer.reference, trainer.params
+    apply_point(trainer, point, str(tiny_model))
+    assert trainer.reference is reference  # nothing else reloaded: the same parameters train on
+    assert all(a is b for a, b in zip(trainer.optimizer.param_groups[0]["params"], params, strict=True))
+    assert torch.allclose(logits(trainer.model, ids), logits(v1.model, ids), atol=1e-6)
+    assert {float(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()} == {1.0}
+    # It trains on exactly as a trainer started from v1 would.
+    batch = samples(4)
+    trainer.step(batch)
+    v1.step(batch)
+    assert torch.allclose(logits(trainer.model, ids), logits(v1.model, ids), atol=1e-5)
+
+    # A version that does not verify is passed over for the next lower one; v0: the base model.
+    bucket.delete(manifest_key(run, 1))
+    point = find_resume_point(bucket, run, tmp_path / "c", at=1)
+    assert point.version == 0 and [r.version for r in point.refused] == [1]
+    apply_point(trainer, point, str(tiny_model))
+    base = load_causal_lm(tiny_model, CPU, torch.float32)
+    assert torch.allclose(logits(trainer.model, ids), logits(base, ids), atol=1e-6)
+    assert trainer.optimizer.state_dict()["state"] == {}
 
 
 def test_retention_keeps_versions_and_their_trainer_states(
