@@ -1,0 +1,1 @@
+"""The evaluator: evaluation jobs (one suite on one candidate version) on rq, run on an evaluation engine."""

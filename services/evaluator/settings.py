@@ -1,23 +1,46 @@
 """The evaluator's configuration: `NEXTSTATE_EVAL__*` on top of the shared settings.
 
-    NEXTSTATE_EVAL__SUITES=["demo","drift"]      suites run on every committed version (built-in
-                                                 names or module:callable)
+    NEXTSTATE_EVAL__SUITES=["demo","drift"]      suites enqueued for every committed version (built-in
+                                                 names or module:callable; unknown ones refuse to start)
     NEXTSTATE_EVAL__ENGINE_URL=http://127.0.0.1:30001   the evaluation engine: a second engine that
-                                                 loads candidates (never the one users talk to)
+                                                 loads candidates (never the one users talk to);
+                                                 one per worker: it serves one candidate at a time
     NEXTSTATE_EVAL__ENGINE_KIND=sglang           sglang | vllm (the same client code as the watcher)
-    NEXTSTATE_EVAL__ENGINE_DIR=                  where that engine sees installed versions (volumes)
+    NEXTSTATE_EVAL__ENGINE_DIR=                  where that engine sees installed versions (volumes;
+                                                 default: LOCAL_DIR as this process sees it)
     NEXTSTATE_EVAL__LOCAL_DIR=.nextstate/eval-checkpoints   verified copies of candidates
-    NEXTSTATE_EVAL__TOKENIZER=/models/policy     the policy's tokenizer folder (chat template)
-    NEXTSTATE_EVAL__BASE_MODEL=/models/policy    the base model (drift's reference)
-    NEXTSTATE_EVAL__JOB_TIMEOUT_S=900            NEXTSTATE_EVAL__RETRIES=2
+    NEXTSTATE_EVAL__KEEP_LOCAL=2                 copies kept there (the one being evaluated always)
+    NEXTSTATE_EVAL__TOKENIZER=/models/policy     the policy's tokenizer folder (chat template;
+                                                 default: the candidate's own folder)
+    NEXTSTATE_EVAL__BASE_MODEL=/models/policy    the base model (drift's reference; default: the
+                                                 manifest's base_model)
+    NEXTSTATE_EVAL__JOB_TIMEOUT_S=900            one job's budget (rq kills it past this; also the
+                                                 engine's weight-load timeout)
+    NEXTSTATE_EVAL__RETRIES=2                    rq retries of a failed job, or of one whose worker died
     NEXTSTATE_EVAL__USER_URL=                    simulated-user suite: an OpenAI-compatible endpoint
     NEXTSTATE_EVAL__USER_MODEL= / __USER_API_KEY=     (e.g. the judge model) playing the user
     NEXTSTATE_EVAL__SCENARIOS=                   a folder of scenario files (default: the package's)
     NEXTSTATE_EVAL__DEMO_TASK=vowel              the demo criterion suite's task (shared/demo_tasks.py)
-    NEXTSTATE_EVAL__SAMPLES=32                   tasks / prompts per suite (n)
+    NEXTSTATE_EVAL__SAMPLES=32                   tasks / prompts per suite (n); a job may ask for more
+    NEXTSTATE_EVAL__MAX_TOKENS=32                per answer
     NEXTSTATE_EVAL__SEED=0
-    NEXTSTATE_EVAL__CONSUMER_NAME=               stable name of the dispatcher's consumer ({hostname})
+    NEXTSTATE_EVAL__CONSUMER_NAME=               stable name of the dispatcher's consumer on `checkpoints`
+                                                 ({hostname}, {pid} filled in; default evaluator-<host>-<pid>)
     NEXTSTATE_EVAL__HOST=127.0.0.1  NEXTSTATE_EVAL__PORT=9105   (/healthz /readyz /metrics)
+
+A worker whose process dies mid-job (SIGKILL, OOM, a lost node) leaves its job to rq, which
+runs it again (with a retry) once it counts as abandoned (services/evaluator/worker.py;
+whole seconds):
+
+    NEXTSTATE_EVAL__HEARTBEAT_S=10               a busy worker heartbeats its job this often
+    NEXTSTATE_EVAL__ABANDONED_AFTER_S=45         a job without a heartbeat this long is abandoned
+    NEXTSTATE_EVAL__MAINTENANCE_S=15             an idle worker requeues abandoned jobs this often
+    NEXTSTATE_EVAL__SHUTDOWN_GRACE_S=10          on SIGTERM the running job may finish this long,
+                                                 then goes back to the queue (no retry spent)
+
+so a dead worker's job runs again within ABANDONED_AFTER_S + 2 x MAINTENANCE_S of its last
+heartbeat (75 s by default; rq's own defaults take up to ~15 minutes), on any worker that
+is idle then. With RETRIES=0 such a job is not run again: rq marks it failed.
 """
 
 from __future__ import annotations
@@ -25,7 +48,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from shared.settings import Settings
 
@@ -36,6 +59,7 @@ class EvalConfig(BaseModel):
     engine_kind: Literal["sglang", "vllm"] = "sglang"
     engine_dir: str | None = None
     local_dir: Path = Path(".nextstate/eval-checkpoints")
+    keep_local: int = Field(2, ge=1)
     tokenizer: str | None = None
     base_model: str | None = None
     job_timeout_s: float = Field(900.0, gt=0)
@@ -51,6 +75,20 @@ class EvalConfig(BaseModel):
     consumer_name: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(9105, ge=0, le=65535)
+    # Whole seconds: rq's heartbeats are key TTLs.
+    heartbeat_s: int = Field(10, ge=1)
+    abandoned_after_s: int = Field(45, ge=2)
+    maintenance_s: int = Field(15, ge=1)
+    shutdown_grace_s: float = Field(10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _heartbeat_within_abandon(self) -> EvalConfig:
+        if self.abandoned_after_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"abandoned_after_s ({self.abandoned_after_s}) must be at least twice heartbeat_s "
+                f"({self.heartbeat_s}): a live worker's job would be taken for abandoned"
+            )
+        return self
 
 
 class EvalSettings(Settings):

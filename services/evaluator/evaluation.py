@@ -1,0 +1,142 @@
+"""One evaluation: a suite on a candidate version, served by this worker's evaluation engine.
+
+`Evaluator.evaluate(job_id, run, version, suite)`:
+1. install the candidate: read its manifest from the bucket, download into
+   `local_dir/v000042` checking every sha256 (a complete local copy is reused), prune older
+   copies;
+2. load it into the evaluation engine (`/update_weights_from_disk` with `weight_version =
+   str(version)`, confirmed through `/model_info`), unless the engine already serves it;
+3. run the suite with an `EvalContext` (the engine's URL, the internal credential, the
+   tokenizer, the base model, the config — `samples` overridden when the job asks);
+4. check the engine still serves the candidate (a score of other weights is no score);
+5. write the `EvalResult` (id = the job id) to the bucket at `result_key`, then publish it on
+   `evals`. A rerun (a worker killed mid-job) writes the same key and publishes the same id:
+   consumers deduplicate by id.
+
+Any failure raises; the job fails and rq retries it. Metrics: `nextstate_eval_score{suite}`
+and `nextstate_eval_version` (the last version evaluated), `nextstate_eval_duration_seconds
+{suite}`; `nextstate_eval_jobs_total{suite,outcome}` is counted by the runtime, which sees
+every way a job ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.evaluator.settings import EvalConfig, EvalSettings
+from services.evaluator.suite import EvalContext, Suite
+from shared import checkpoints as ckpt
+from shared import keys as K
+from shared.auth import bearer
+from shared.engine_client import EngineClient
+from shared.errors import EngineError, StoreError
+from shared.evaljobs import result_key
+from shared.schemas import CheckpointManifest, EvalResult
+from shared.store import AsyncBucket, Bucket
+from shared.streams import Bus
+
+log = logging.getLogger(__name__)
+
+SCORE = Gauge("nextstate_eval_score", "Score of the last version evaluated, per suite", ["suite"])
+VERSION = Gauge("nextstate_eval_version", "The version this worker evaluated last")
+DURATION = Histogram(
+    "nextstate_eval_duration_seconds", "One evaluation job, install to publish", ["suite"],
+    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600),
+)
+JOBS = Counter("nextstate_eval_jobs_total", "Evaluation jobs by how they ended "
+               "(ok, failed, handed_back)", ["suite", "outcome"])
+
+
+def install(bucket: Bucket, root: Path, run: str, version: int) -> tuple[Path, CheckpointManifest]:
+    """(blocking) The verified folder of `version` under `root` and its manifest."""
+    key = ckpt.manifest_key(run, version)
+    manifest = ckpt.read_manifest(bucket, key)
+    if (manifest.run, manifest.version) != (run, version):
+        raise StoreError(f"{key} describes {manifest.run} v{manifest.version}, not {run} v{version}")
+    return ckpt.download_checkpoint(bucket, manifest, root), manifest
+
+
+@dataclass
+class Evaluator:
+    settings: EvalSettings
+    bucket: AsyncBucket
+    bus: Bus
+    engine: EngineClient
+    resolve: Callable[[str], Suite]  # suite name -> suite (services.evaluator.suites.resolve)
+    worker: str  # this worker's name, recorded in each result
+    suites: dict[str, Suite] = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> EvalConfig:
+        return self.settings.eval
+
+    def suite(self, name: str) -> Suite:
+        if name not in self.suites:
+            self.suites[name] = self.resolve(name)
+        return self.suites[name]
+
+    async def evaluate(self, job_id: str, run: str, version: int, suite_name: str,
+                       samples: int | None = None) -> EvalResult:
+        started = time.monotonic()
+        suite = self.suite(suite_name)
+        cfg = self.cfg if samples is None else self.cfg.model_copy(update={"samples": samples})
+        extra = {"job": job_id, "version": version, "suite": suite_name}
+        folder, manifest = await self.bucket.run(install, self.bucket.sync, cfg.local_dir, run, version)
+        await self.bucket.run(ckpt.prune_local, cfg.local_dir, cfg.keep_local, protect=[version])
+        await self._load(folder, version)
+        ctx = EvalContext(
+            run=run, version=version, engine_url=cfg.engine_url,
+            headers=bearer(self.settings.internal.secret()),
+            tokenizer=cfg.tokenizer or str(folder.resolve()),
+            base_model=cfg.base_model or manifest.base_model,
+            cfg=cfg,
+        )
+        log.info("evaluating", extra=extra)
+        outcome = await suite(ctx)
+        served = await self.engine.weight_version()
+        if served != str(version):
+            raise EngineError(f"the evaluation engine switched to weight_version {served!r} while "
+                              f"{suite_name} ran on v{version}: another client loads weights into it "
+                              "(give each evaluator worker an engine of its own)")
+        duration = time.monotonic() - started
+        result = EvalResult(
+            id=job_id, run=run, version=version, suite=suite_name, score=outcome.score,
+            higher_is_better=outcome.higher_is_better, n=outcome.n,
+            ci_low=outcome.ci[0] if outcome.ci else None, ci_high=outcome.ci[1] if outcome.ci else None,
+            tasks=outcome.tasks, metrics=outcome.metrics, duration_s=round(duration, 3),
+            engine=cfg.engine_url, worker=self.worker,
+        )
+        # The bucket first: whoever reads the stream entry finds the object.
+        await self.bucket.put_json(result_key(run, version, suite_name), result)
+        await self.bus.publish(K.EVALS, result)
+        SCORE.labels(suite_name).set(result.score)
+        VERSION.set(version)
+        DURATION.labels(suite_name).observe(duration)
+        log.info("evaluated", extra={**extra, "score": result.score, "n": result.n,
+                                     "duration_s": result.duration_s})
+        return result
+
+    def _engine_path(self, folder: Path) -> str:
+        """The installed folder as the evaluation engine sees it."""
+        if self.cfg.engine_dir:
+            return f"{self.cfg.engine_dir.rstrip('/')}/{folder.name}"
+        return str(folder.resolve())
+
+    async def _load(self, folder: Path, version: int) -> None:
+        """Make the evaluation engine serve `version` (nothing to do if it already does)."""
+        if await self.engine.weight_version() == str(version):
+            return
+        t0 = time.monotonic()
+        ok, message = await self.engine.update_weights(self._engine_path(folder), str(version))
+        served = await self.engine.weight_version()
+        if not ok:
+            raise EngineError(f"the evaluation engine refused v{version}: {message}")
+        if served != str(version):
+            raise EngineError(f"the evaluation engine reports weight_version {served!r} after loading v{version}")
+        log.info("candidate loaded", extra={"version": version, "load_s": round(time.monotonic() - t0, 3)})
