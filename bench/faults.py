@@ -78,7 +78,7 @@ async def main() -> None:
     model = build_tiny_model(root / "model")
     tag = uuid.uuid4().hex[:6]
     stack = UpStack(model, root / "home", run=f"faults-{tag}", prefix=f"bf-{tag}",
-                    args=["--lr", "1e-3", "--batch-size", "8", "--max-wait", "2"],
+                    args=["--lr", "1e-3", "--batch-size", "8", "--max-wait", "2", "--no-eval"],
                     env={"NEXTSTATE_WATCHER__POLL_INTERVAL_S": str(args.poll),
                          "NEXTSTATE_COLLECTOR__PENDING_TTL_S": "15"})
     cold = time.time()

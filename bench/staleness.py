@@ -59,7 +59,7 @@ async def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ns-bench-staleness-"))
     model = build_tiny_model(root / "model")
     stack = UpStack(model, root / "home", run=f"stale-{uuid.uuid4().hex[:6]}", prefix=f"b-{uuid.uuid4().hex[:6]}",
-                    args=["--lr", "1e-4", "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait)],
+                    args=["--lr", "1e-4", "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait), "--no-eval"],
                     env={"NEXTSTATE_BUFFER__MAX_STALENESS": "1000"})  # measure, drop nothing
     await asyncio.to_thread(stack.start)
     try:

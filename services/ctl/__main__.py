@@ -21,6 +21,7 @@ COMMANDS = (
     "services.ctl.importer",
     "services.ctl.up",
     "services.ctl.demo",
+    "services.ctl.evals",
 )
 
 

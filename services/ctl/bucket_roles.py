@@ -1,7 +1,8 @@
 """Least privilege on the bucket: one S3 identity per service role, and a closed SeaweedFS.
 
 Only the trainer writes checkpoints; the watcher only reads them; the buffer only writes
-its sample archive; collector, judge and engine never touch the bucket. The operator's
+its sample archive; the evaluator reads checkpoints and writes its results; collector,
+judge and engines never touch the bucket. The operator's
 CLI (`nextstate rollback`) and `up` itself use the admin identity.
 
 | role    | may                                                                         |
@@ -9,6 +10,7 @@ CLI (`nextstate rollback`) and `up` itself use the admin identity.
 | trainer | read + write `policies/*` and `trainer-state/*`, list the bucket            |
 | watcher | read `policies/*`, list the bucket                                          |
 | buffer  | write `samples/*`, list the bucket                                          |
+| evaluator | read `policies/*`, write `evals/*`, list the bucket                       |
 | admin   | everything (create the bucket, move LATEST by hand)                         |
 
 `nextstate up` (SeaweedFS `weed mini`) gets these as an `-s3.config` identities file with
@@ -35,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 REGION = "us-east-1"
-ROLES = ("trainer", "watcher", "buffer")
+ROLES = ("trainer", "watcher", "buffer", "evaluator")
 # Prefixes each role may read / write (shared/checkpoints.py spells the keys).
-READS = {"trainer": ("policies", "trainer-state"), "watcher": ("policies",), "buffer": ()}
-WRITES = {"trainer": ("policies", "trainer-state"), "watcher": (), "buffer": ("samples",)}
+READS = {"trainer": ("policies", "trainer-state"), "watcher": ("policies",), "buffer": (),
+         "evaluator": ("policies",)}
+WRITES = {"trainer": ("policies", "trainer-state"), "watcher": (), "buffer": ("samples",),
+          "evaluator": ("evals",)}
 
 
 @dataclass(frozen=True)

@@ -34,16 +34,42 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | trainer | consume group `trainer` (as the judge's) | `P:batches`, `P:done:trainer:*` |
 | | announce a version: XADD / SET | `P:checkpoints` / `P:trainer-version` (write only) |
 | | refused checkpoints: HSET | `P:refused-versions` (write only) |
+| | the rebase to follow (`nextstate rollback`, the gate): GET | `P:lineage-base` (read only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | watcher | announce a loaded policy: XADD | `P:policy` (write only) |
 | | what the engine serves: SET DEL | `P:policy-version` (write only) |
 | | its state, refused checkpoints: HSET | `P:watcher-state`, `P:refused-versions` (write only) |
+| | the promotion gate: consume group `gate` (as the judge's, without dedupe marks) | `P:evals` |
+| | announce a decision: XADD | `P:promotions` (write only) |
+| | the gate's memory: HGETALL HSET HDEL | `P:gate-state` |
+| | a rollback's rebase request: GET SET | `P:lineage-base` |
+| | unreadable results: XADD | `P:dead` (write only) |
+| evaluator | consume group `evaluator` (as the judge's) | `P:checkpoints`, `P:done:evaluator:*` |
+| | enqueue evaluations (below), publish results: XADD | `P:evals` (write only) |
+| | dead letters: XADD | `P:dead` (write only) |
+| | its rq worker on queue `Q` = `P-eval` (below) | `rq:…` of that queue only |
 | ctl | the operator (`nextstate status/tail/dlq/...`, `up`'s supervisor): every `@read` and `@write` command, transactions, EVALSHA | `P:*` |
+| | enqueue evaluations (`nextstate eval run`, below) | |
 | keda | the judge autoscaler (KEDA redis-streams): XINFO GROUPS, XPENDING, XLEN | `P:turns` (read only) |
 | default | admin: everything (`+@all ~* &*`); applies ACLs, nothing in the stack uses it | all |
 
-Future rq workers (environments, evaluators) have no role yet: rq keeps its own keys
-under `rq:*` and needs INFO and Pub/Sub, so they would get a role of their own then.
+rq (3.x) keeps its own keys under `rq:`, outside the prefix. What the evaluator's rq use
+needs, found by recording every command of enqueues, jobs that succeed, fail and retry,
+and a SIGKILLed worker's job requeued by another's maintenance (MONITOR), and granted
+as exactly that (`Q` the eval queue `P-eval`, `J` an evaluation job's rq id `eval_2e…`):
+
+- enqueue (`enqueue_evals`; evaluator, ctl): the guard SET GET DEL on `P:eval-enqueued:*`;
+  SADD `rq:queues`; rq's unique-enqueue script: EVALSHA, and the EXISTS HSET EXPIRE RPUSH
+  it runs, on `rq:job:J` and `rq:queue:Q`.
+- a worker (`RQ_WORKER`): lists, hashes, sets, sorted sets, XADD (its results), WATCH, EVALSHA
+  on `rq:queue:Q` and its `:intermediate` list, the queue's registries (`rq:wip:Q`,
+  `finished`, `failed`, `deferred`, `ready`, `scheduled`, `canceled`), its maintenance lock
+  `rq:clean_registries:Q`, `rq:workers` and `rq:workers:Q`, workers named `Q.…`
+  (`rq:worker:Q.*`), and the jobs' keys (`rq:job:J…`, `rq:job::J…`, `rq:results:J`,
+  `rq:execution:J:…`, `rq:executions:J`); `rq:suspended` read only.
+- not INFO (shared/evaljobs.py learns the server version from HELLO), not Pub/Sub, not
+  the rate-limit and job-group registries (services/evaluator/worker.py skips them); CLIENT
+  SETNAME/INFO are `@connection`.
 
 Three ways to put the users in a Redis: an aclfile loaded at start (`aclfile`,
 `write_aclfile`: what `nextstate up` does, so a restarted Redis has them again); `ACL
@@ -68,7 +94,7 @@ from shared import keys as K
 from shared.keys import Keys
 
 ADMIN = "default"
-SERVICE_ROLES = ("collector", "judge", "buffer", "trainer", "watcher")
+SERVICE_ROLES = ("collector", "judge", "buffer", "trainer", "watcher", "evaluator")
 ROLES = (*SERVICE_ROLES, "ctl", "keda")
 USERS = (ADMIN, *ROLES)
 
@@ -85,6 +111,15 @@ CONSUME = ("xgroup|create", "xreadgroup", "xack", "xclaim", "xpending", "xinfo|g
            "xlen", "xrange", "xrevrange", "xtrim", "evalsha")
 # A bounded publish (shared/streams.py `_BOUNDED_XADD`): XLEN, then XADD or INCR the shed count.
 PUBLISH = ("evalsha", "xlen", "xadd", "incr")
+
+# An rq worker of the evaluation queue (services/evaluator/worker.py), on its keys only.
+RQ_WORKER = ("blmove", "lmove", "lrange", "lrem", "rpush", "lpush", "llen", "exists", "expire",
+             "persist", "del", "get", "set", "hget", "hgetall", "hset", "hincrby", "hincrbyfloat",
+             "sadd", "srem", "smembers", "zadd", "zrem", "zrange", "zrangebyscore",
+             "zremrangebyscore", "zcard", "zscore", "xadd", "watch", "unwatch", "evalsha")
+# rq's id of an evaluation job starts so (shared/evaljobs.py `rq_job_id` of `eval.…`).
+RQ_EVAL_JOB = "eval_2e*"
+RQ_REGISTRIES = ("wip", "finished", "failed", "deferred", "ready", "scheduled", "canceled")
 
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # as RedisSettings: no glob characters
 
@@ -128,6 +163,29 @@ def _dead(k: Keys) -> Grant:
     return Grant(("xadd",), _w(k.dead))
 
 
+def enqueue_evals(k: Keys) -> list[Grant]:
+    """Enqueue evaluation jobs (shared/evaljobs.py `enqueue_eval`)."""
+    queue = k.eval_queue
+    return [
+        Grant(("set", "get", "del"), _rw(k.eval_enqueued("*"))),
+        Grant(("sadd",), _rw("rq:queues")),
+        # rq's unique enqueue: one script, whose commands are checked like any other.
+        Grant(("evalsha", "exists", "hset", "expire", "rpush"), _rw(f"rq:job:{RQ_EVAL_JOB}", f"rq:queue:{queue}")),
+    ]
+
+
+def rq_worker(k: Keys) -> Grant:
+    """An rq worker of the evaluation queue, named `<queue>.…`."""
+    q = k.eval_queue
+    return Grant(RQ_WORKER, (
+        *_rw(f"rq:queue:{q}", f"rq:queue:{q}:intermediate*",
+             *(f"rq:{r}:{q}" for r in RQ_REGISTRIES), f"rq:clean_registries:{q}", "rq:queues",
+             "rq:workers", f"rq:workers:{q}", f"rq:worker:{q}.*",
+             *(f"rq:{kind}:{RQ_EVAL_JOB}" for kind in ("job", "job:", "results", "execution", "executions"))),
+        *_r("rq:suspended"),
+    ))
+
+
 def grants(role: str, k: Keys) -> list[Grant]:
     """What `role` may do on the keys of `k` (selectors; `ctl`, `keda` have none)."""
     if role == "collector":
@@ -164,6 +222,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
             Grant(("xadd",), _w(k.checkpoints)),
             Grant(("set",), _w(k.trainer_version)),
             Grant(("hset",), _w(k.refused_versions)),
+            Grant(("get",), _r(k.lineage)),
             _dead(k),
         ]
     if role == "watcher":
@@ -171,6 +230,20 @@ def grants(role: str, k: Keys) -> list[Grant]:
             Grant(("xadd",), _w(k.policy)),
             Grant(("set", "del"), _w(k.policy_version)),
             Grant(("hset",), _w(k.watcher_state, k.refused_versions)),
+            # The promotion gate (services/watcher/gate.py).
+            Grant(CONSUME, _rw(k.evals)),  # group `gate`; no dedupe marks: results are idempotent
+            Grant(("xadd",), _w(k.promotions)),
+            Grant(("hgetall", "hset", "hdel"), _rw(k.gate_state)),
+            Grant(("get", "set"), _rw(k.lineage)),
+            _dead(k),
+        ]
+    if role == "evaluator":
+        return [
+            *_consume(k, K.CHECKPOINTS, K.GROUP_EVALUATOR),
+            Grant(("xadd",), _w(k.evals)),
+            _dead(k),
+            *enqueue_evals(k),
+            rq_worker(k),
         ]
     if role in ("ctl", "keda"):
         return []
@@ -183,7 +256,8 @@ def _rules(user: str, k: Keys) -> list[str]:
     if user == "ctl":  # every data command under the prefix; no server admin, no Pub/Sub
         return [f"~{k.prefix}:*", "resetchannels", "-@all", "+@connection", "+@read", "+@write",
                 "+@transaction", "-@admin", "-@dangerous", "-@scripting", "-@pubsub",
-                "-scan", "-randomkey", "+evalsha", "+script|load", "+script|exists"]
+                "-scan", "-randomkey", "+evalsha", "+script|load", "+script|exists",
+                *(g.selector() for g in enqueue_evals(k))]
     if user == "keda":
         return [*_r(k.turns), *BASE, "+xinfo|groups", "+xpending", "+xlen"]
     return [*BASE, *(g.selector() for g in grants(user, k))]

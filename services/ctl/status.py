@@ -5,7 +5,8 @@ not acked), lag (not yet delivered), consumers and how long each has been idle; 
 dead-letter count. Then what the rest of the stack reports through Redis: the version
 the engine *really* serves (the watcher checks it every pass) beside the one it should
 serve and the trainer's newest, flagged when they disagree; checkpoints refused; turns
-waiting for their next state; what the buffer decided, per rule; and, under `nextstate
+waiting for their next state; what the buffer decided, per rule; the promotion gate
+(what it serves, the last decision, the newest score per suite); and, under `nextstate
 up`, each supervised process (restarts, crash loops).
 A stage is named *stalled* when it has work (lag or pending) and nothing was acked
 over the sampling window (`--window`, default 2 s): its backlog stays put or grows.
@@ -23,7 +24,11 @@ from redis.exceptions import RedisError
 
 from services.ctl.common import human_ms, open_bus, redis_error
 from shared import keys as K
+from shared.errors import MalformedMessage
+from shared.schemas import EvalResult, Promotion
 from shared.streams import Bus
+
+GATE_FIELDS = ("promoted", "best", "serving", "decided_at", "config")
 
 
 def register(sub: Any) -> None:
@@ -45,7 +50,10 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     pipe.hgetall(keys.buffer_counts)
     pipe.zcard(keys.force_candidates)
     pipe.zcard(keys.pending_deadlines)
-    watcher, refused, services, counts, parked, waiting = await pipe.execute()
+    pipe.hmget(keys.gate_state, GATE_FIELDS)
+    pipe.xrevrange(keys.promotions, count=1)
+    pipe.xrevrange(keys.evals, count=50)
+    watcher, refused, services, counts, parked, waiting, gate, promos, evals = await pipe.execute()
     return {
         "prefix": keys.prefix,
         "streams": streams,
@@ -58,7 +66,35 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "buffer": {"decisions": {k: int(v) for k, v in sorted(counts.items())},
                    "final_turns_waiting": int(parked)},
         "turns_waiting_next_state": int(waiting),
+        "gate": gate_snapshot(dict(zip(GATE_FIELDS, gate, strict=True)), promos, evals, bus.settings.run),
     }
+
+
+def gate_snapshot(fields: dict[str, str | None], promos: list[Any], evals: list[Any],
+                  run: str) -> dict[str, Any] | None:
+    """The gate's summary (`gate-state`), its last `Promotion`, the newest result per suite of `run`."""
+    last = None
+    for _, f in promos:
+        try:
+            last = Promotion.from_json(f.get(K.FIELD, "")).model_dump(
+                include={"version", "decision", "reasons", "serving", "created_at"})
+        except MalformedMessage:
+            pass
+    newest: dict[str, dict[str, Any]] = {}
+    for _, f in evals:  # newest first
+        try:
+            r = EvalResult.from_json(f.get(K.FIELD, ""))
+        except MalformedMessage:
+            continue
+        if r.run == run:
+            newest.setdefault(r.suite, r.model_dump(include={"version", "score", "ci_low", "ci_high", "n"}))
+    if not any(fields.values()) and last is None and not newest:
+        return None
+    serving = fields.get("serving") or ""
+    return {"promoted": _json(fields.get("promoted") or "[]"),
+            "best": _json(fields.get("best") or "{}"),
+            "serving": int(serving) if serving.isdigit() else None,
+            "last_decision": last, "newest_results": dict(sorted(newest.items()))}
 
 
 def _version_order(item: tuple[str, Any]) -> tuple[int, str]:
@@ -142,8 +178,27 @@ def render_buffer(snap: dict[str, Any]) -> list[str]:
     return [line]
 
 
+def render_gate(snap: dict[str, Any]) -> list[str]:
+    g = snap.get("gate")
+    if not g:
+        return []
+    best = ", ".join(f"{s} {v:.4g}" for s, v in g["best"].items())
+    line = (f"gate: serving {_v(g['serving'])}, promoted {' '.join(f'v{v}' for v in g['promoted']) or 'none'}"
+            + (f", best {best}" if best else ""))
+    lines = [line]
+    if (last := g.get("last_decision")):
+        age = time.time() - float(last.get("created_at") or 0)
+        lines.append(f"  last decision: v{last['version']} {last['decision']} {age:.0f}s ago "
+                     f"({'; '.join(last.get('reasons') or [])[:160]})")
+    if g.get("newest_results"):
+        lines.append("  newest results: " + ", ".join(
+            f"{s} v{r['version']} {r['score']:.4g} n={r['n']}" for s, r in g["newest_results"].items()))
+    return lines
+
+
 def render(snap: dict[str, Any]) -> str:
     lines = render_versions(snap)
+    lines.extend(render_gate(snap))
     lines.append(f"turns waiting for their next state: {snap.get('turns_waiting_next_state', 0)}")
     for s in snap["streams"]:
         shed = f"  shed {s['shed']}" if s["shed"] else ""

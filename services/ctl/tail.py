@@ -20,8 +20,10 @@ from shared.errors import MalformedMessage
 from shared.schemas import (
     CheckpointPublished,
     DeadLetter,
+    EvalResult,
     Message,
     PolicyLoaded,
+    Promotion,
     ScoredTurn,
     TrainBatch,
     Turn,
@@ -78,7 +80,17 @@ def summarize(msg: Message) -> str:
                 f"{f' loss={loss:.4f}' if loss is not None else ''} manifest={msg.manifest}")
     if isinstance(msg, PolicyLoaded):
         sync = f" sync={msg.sync_s:.2f}s" if msg.sync_s is not None else ""
-        return f"run={msg.run} version={msg.version} load={msg.load_s:.2f}s{sync} engine={msg.engine}"
+        gate = f" promotion={msg.promotion[:160]!r}" if msg.promotion else ""
+        return f"run={msg.run} version={msg.version} load={msg.load_s:.2f}s{sync} engine={msg.engine}{gate}"
+    if isinstance(msg, EvalResult):
+        ci = f" ci=[{msg.ci_low:.4g},{msg.ci_high:.4g}]" if msg.ci_low is not None and msg.ci_high is not None else ""
+        return (f"run={msg.run} version={msg.version} suite={msg.suite} score={msg.score:.4g}{ci} "
+                f"n={msg.n} {'higher' if msg.higher_is_better else 'lower'}-is-better "
+                f"took={msg.duration_s:.1f}s")
+    if isinstance(msg, Promotion):
+        serving = "-" if msg.serving is None else msg.serving
+        return (f"run={msg.run} version={msg.version} decision={msg.decision} serving={serving} "
+                f"reasons={'; '.join(msg.reasons)[:200]!r}")
     if isinstance(msg, DeadLetter):
         return (f"from={msg.stream}/{msg.group} entry={msg.entry_id} deliveries={msg.deliveries} "
                 f"error={msg.error[:160]!r}")

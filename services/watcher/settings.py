@@ -1,11 +1,12 @@
-"""Watcher settings: which engine to reload, how often to poll, where to keep versions."""
+"""Watcher settings: which engine to reload, how often to poll, where to keep versions,
+and the promotion gate (`NEXTSTATE_GATE__*`, off unless enabled)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from shared.settings import Settings
 
@@ -30,5 +31,37 @@ class WatcherConfig(BaseModel):
     port: int = Field(9104, ge=0, le=65535)
 
 
+class GateConfig(BaseModel):
+    """The promotion gate (services/watcher/gate_rules.py has the rule).
+
+        NEXTSTATE_GATE__ENABLED=true            serve only versions whose suites pass
+        NEXTSTATE_GATE__SUITES=["demo","drift"]  the suites every version must pass
+        NEXTSTATE_GATE__DELTA=0.05              higher-is-better suites: score >= best - delta
+        NEXTSTATE_GATE__DRIFT_MAX=0.5           lower-is-better suites (drift): score <= this
+        NEXTSTATE_GATE__WAIT_S=1800             a version without all its results this long
+                                                after it was first seen is refused (unevaluated)
+        NEXTSTATE_GATE__CONSUMER_NAME=gate      its name in the `gate` group on `evals`
+        NEXTSTATE_GATE__KEEP_VERSIONS=1000      version records kept in `gate-state`
+    """
+
+    enabled: bool = False
+    suites: list[str] = Field(default_factory=lambda: ["demo", "drift"], min_length=1)
+    delta: float = Field(0.05, ge=0)
+    drift_max: float = Field(0.5, ge=0)
+    wait_s: float = Field(1800.0, gt=0)
+    # Stable, so a restarted watcher takes back the results it read and had not acked.
+    consumer_name: str = "gate"
+    keep_versions: int = Field(1000, ge=10)
+
+    @field_validator("suites")
+    @classmethod
+    def _suites(cls, v: list[str]) -> list[str]:
+        names = [s.strip() for s in v if s.strip()]
+        if not names:
+            raise ValueError("name at least one suite, e.g. [\"demo\",\"drift\"]")
+        return list(dict.fromkeys(names))
+
+
 class WatcherSettings(Settings):
     watcher: WatcherConfig = WatcherConfig()
+    gate: GateConfig = GateConfig()

@@ -9,6 +9,10 @@ engine is never sent back to its base weights while a trained version is at hand
 
 A refused version is skipped until `retry_bad_after_s` has passed (a re-publish may fix
 it); the engine keeps serving the target meanwhile.
+
+With the promotion gate on, the candidates are the gate's instead (gate_rules.py
+`GateBook.choices`: promoted versions only, newest at or below LATEST's first); these
+rules still apply to them, and nothing else is ever a fallback.
 """
 
 from __future__ import annotations

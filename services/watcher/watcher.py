@@ -18,6 +18,14 @@ One pass (`Watcher.sync_once`), every `poll_interval_s`:
    actually serves, metrics, `refused-versions`, and a `PolicyLoaded` on the `policy`
    stream for each load, with its cause (`new_version` or `reconcile`). `check_serving`
    (in /readyz) fails while a mismatch outlives a pass's reload attempts.
+
+With the promotion gate on (NEXTSTATE_GATE__ENABLED, gate.py), each pass first lets the
+gate take new evaluation results and decide; then only promoted versions are candidates
+(step 2 becomes: the newest promoted version at or below LATEST's, then older promoted
+ones). A version not promoted is treated like a refused one: never loaded, not even as a
+fallback, and the engine stays on (or is put back on, after a restart) the last promoted
+version; with none promoted yet it keeps what it has. Each load's `PolicyLoaded` carries
+the gate's reasons in `promotion`.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
+from services.watcher.gate import Gate
 from services.watcher.report import (
     DOWNLOAD_SECONDS,
     LOAD_SECONDS,
@@ -41,7 +51,14 @@ from services.watcher.report import (
     record_refusal,
 )
 from services.watcher.settings import WatcherConfig, WatcherSettings
-from services.watcher.target import Latest, Refusals, fallbacks, first_choices, policy_version
+from services.watcher.target import (
+    Latest,
+    Refusals,
+    fallbacks,
+    first_choices,
+    label,
+    policy_version,
+)
 from shared import checkpoints as ckpt
 from shared.engine_client import EngineClient
 from shared.errors import BusError, ChecksumMismatch, EngineError, NextstateError, StoreError
@@ -77,10 +94,12 @@ class Watcher:
     good: int | None = None  # the last version seen verified and served: kept when LATEST fails
     state: WatcherState = field(init=False)
     refusals: Refusals = field(init=False)
+    gate: Gate | None = field(init=False)  # the promotion gate, when enabled
 
     def __post_init__(self) -> None:
         self.state = WatcherState(engine=self.cfg.engine_url)
         self.refusals = Refusals(self.cfg.retry_bad_after_s)
+        self.gate = Gate(self.settings, self.bus, self.bucket) if self.settings.gate.enabled else None
 
     @property
     def cfg(self) -> WatcherConfig:
@@ -99,6 +118,8 @@ class Watcher:
         """One reconciliation pass. Returns the announcement when it loaded a version."""
         before, self.state.errors = self.state.errors, []
         latest = await self._read_latest()
+        if self.gate is not None:
+            await self._step_gate(latest)
         event = None
         try:
             if await self._observe():
@@ -132,6 +153,17 @@ class Watcher:
         self.state.latest = latest.version
         return latest
 
+    async def _step_gate(self, latest: Latest) -> None:
+        """Let the gate take new results and decide (an outage is noted: the engine stays
+        on what the gate promoted so far, or keeps its weights before the gate could load)."""
+        assert self.gate is not None
+        try:
+            await self.gate.step(latest.version)
+        except (RedisError, BusError) as exc:
+            loaded = self.gate.book is not None
+            self._note(f"gate: {type(exc).__name__}: {exc}" + ("" if loaded else "; nothing is loaded "
+                       "until the gate has read its state"))
+
     async def _observe(self) -> bool:
         """Ask the engine what it serves; False (noted) when it cannot be reached."""
         try:
@@ -142,11 +174,15 @@ class Watcher:
             return False
         self.state.observe(served)
         if self.good is None:  # a fresh watcher: what the engine serves is the last good version
-            self.good = policy_version(served)
+            version = policy_version(served)
+            if self.gate is None or self.gate.promoted(version):
+                self.good = version
         return True
 
     async def _reconcile(self, latest: Latest) -> PolicyLoaded | None:
         """Make the engine serve the best version that verifies and loads."""
+        if self.gate is not None:
+            return await self._reconcile_gated(latest)
         previous = self.state.target
         now = time.monotonic()
         if latest.version is not None and (why := self.refusals.why(latest.version, now)):
@@ -160,6 +196,18 @@ class Watcher:
             served, event = await self._serve_first(more, latest)
             order += more
         self.state.target = served if served is not None else (order[0] if order else previous)
+        return event
+
+    async def _reconcile_gated(self, latest: Latest) -> PolicyLoaded | None:
+        """Make the engine serve the best promoted version that verifies and loads."""
+        assert self.gate is not None
+        order = self.gate.choices(latest.version, self.refusals.recent(time.monotonic()))
+        served, event = await self._serve_first(order, latest)
+        self.state.target = served if served is not None else (order[0] if order else None)
+        engine_on = policy_version(self.state.observed)
+        if self.state.target is None and engine_on is not None and not self.gate.promoted(engine_on):
+            self._note(f"engine serves {label(self.state.observed)}, which the gate has not promoted; "
+                       "no promoted version to serve instead")
         return event
 
     async def _serve_first(self, order: list[int], latest: Latest) -> tuple[int | None, PolicyLoaded | None]:
@@ -243,6 +291,7 @@ class Watcher:
             run=self.settings.run, version=version, weight_version=str(version),
             engine=self.cfg.engine_url, download_s=round(download_s, 3), load_s=round(load_s, 3),
             sync_s=None if sync_s is None else round(sync_s, 3), cause=cause,
+            promotion=None if self.gate is None else self.gate.why(version),
         )
         try:
             await self.bus.publish("policy", event)

@@ -49,7 +49,7 @@ def test_policy_improves_from_live_traffic(tiny_model: Path, redis_url: str, uni
     log = open(tmp_path / "up.log", "wb")
     up = subprocess.Popen(
         [NEXTSTATE, "up", "--model", str(tiny_model), "--port", str(port), "--lr", "2e-3",
-         "--batch-size", "8", "--max-wait", "3"],
+         "--batch-size", "8", "--max-wait", "3", "--no-eval"],
         env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
     )
     try:

@@ -122,7 +122,7 @@ async def test_every_fault_heals_and_every_turn_is_accounted_for_once(
     tiny_model: Path, tmp_path: Path, unique: str
 ) -> None:
     stack = UpStack(tiny_model, tmp_path / "home", run=f"faults-{unique}", prefix=f"f-{unique}",
-                    args=["--lr", "1e-3", "--batch-size", "8", "--max-wait", "2"], env=SETTINGS)
+                    args=["--lr", "1e-3", "--batch-size", "8", "--max-wait", "2", "--no-eval"], env=SETTINGS)
     await asyncio.to_thread(stack.start)
     load = Load(stack.collector, agents=3, turns=3).start()
     f = Faults(stack, load)

@@ -24,5 +24,15 @@ def test_only_the_trainer_writes_checkpoints() -> None:
     actions = {i["name"]: i["actions"] for i in config["identities"]}
     assert actions["watcher"] == ["Read:b/policies/*", "List:b"]
     assert actions["buffer"] == ["Write:b/samples/*", "List:b"]
+    assert actions["evaluator"] == ["Read:b/policies/*", "Write:b/evals/*", "List:b"]
     assert "Write:b/policies/*" in actions["trainer"]
     assert len({c.secret_key for c in creds.values()}) == len(creds)  # every role its own key
+
+
+def test_the_evaluator_reads_candidates_and_writes_results_only() -> None:
+    assert bucket_roles.READS["evaluator"] == ("policies",)
+    assert bucket_roles.WRITES["evaluator"] == ("evals",)
+    policy = bucket_roles.minio_policy("evaluator")
+    resources = {a: r for st in policy["Statement"] for a in st["Action"] for r in [st["Resource"]]}
+    assert resources["s3:GetObject"] == ["arn:aws:s3:::*/policies/*"]
+    assert resources["s3:PutObject"] == ["arn:aws:s3:::*/evals/*"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,16 @@ def test_the_dashboard_covers_the_loop() -> None:
         assert needed in titles, needed
     joined = " ".join(e for _, e in exprs())
     assert "nextstate_stream_group_lag" in joined and "nextstate_stream_group_pending" in joined
+
+
+def test_the_dashboard_shows_evaluation_and_the_gate() -> None:
+    by_title = defaultdict(list)
+    for title, expr in exprs():
+        by_title[title].append(expr)
+    assert "max by (suite) (nextstate_eval_score)" in by_title["Eval score per suite"]
+    assert any("nextstate_gate_decisions_total" in e and "by (decision)" in e
+               for e in by_title["Gate decisions"])
+    assert "max(nextstate_gate_promoted_version)" in by_title["Promoted version"]
 
 
 def test_panels_use_the_provisioned_datasource() -> None:

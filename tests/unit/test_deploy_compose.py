@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import socket
@@ -165,6 +166,15 @@ def python_module(argv: list[str]) -> str | None:
     return None
 
 
+# A service's settings group when it is not the module's name (NEXTSTATE_EVAL__* for the evaluator).
+SETTINGS_GROUPS = {"services.evaluator": "EVAL"}
+
+
+def settings_group(module: str) -> str:
+    """`services.judge` -> "JUDGE": the group of NEXTSTATE_<GROUP>__* its settings read."""
+    return SETTINGS_GROUPS.get(module, module.split(".")[-1].upper())
+
+
 def module_entrypoint_exists(module: str) -> bool:
     if module == "nextstate":
         pyproject = (REPO / "pyproject.toml").read_text()
@@ -240,7 +250,7 @@ def test_prod_everywhere_with_no_default_credentials() -> None:
 def test_commands_are_real_entrypoints() -> None:
     found = {module for _, _, module in ours()}
     assert {"services.engine", "services.collector", "services.judge", "services.buffer",
-            "services.trainer", "services.watcher", "nextstate"} <= found
+            "services.trainer", "services.watcher", "services.evaluator", "nextstate"} <= found
     for module in found:
         assert module_entrypoint_exists(module), f"no entrypoint for {module}"
 
@@ -295,6 +305,8 @@ def test_every_consumer_has_a_stable_name(monkeypatch: pytest.MonkeyPatch) -> No
     judge = svcs["judge"]["environment"]["NEXTSTATE_JUDGE__CONSUMER_NAME"]
     assert consumer_name(judge, "judge") == "judge-3f2a9c81b7d4"
     assert consumer_name(svcs["buffer"]["environment"]["NEXTSTATE_BUFFER__CONSUMER_NAME"], "buffer") == "buffer"
+    evaluator = svcs["evaluator"]["environment"]["NEXTSTATE_EVAL__CONSUMER_NAME"]
+    assert consumer_name(evaluator, "evaluator") == "evaluator-3f2a9c81b7d4"
     for name in ("trainer-cpu", "trainer-gpu"):  # the default, trainer-<run>
         assert "NEXTSTATE_TRAINER__CONSUMER_NAME" not in svcs[name]["environment"]
     for name, svc, _ in ours():
@@ -320,7 +332,7 @@ def test_healthchecks_probe_the_configured_port() -> None:
             continue
         url = re.search(r"http://127\.0\.0\.1:(\d+)/(\w+)", " ".join(svc["healthcheck"]["test"]))
         assert url and url.group(2) in ("readyz", "healthz"), name
-        group = module.split(".")[-1].upper()
+        group = settings_group(module)
         assert svc["environment"][f"NEXTSTATE_{group}__PORT"] == url.group(1), name
         assert svc["environment"][f"NEXTSTATE_{group}__HOST"] == "0.0.0.0", name
 
@@ -397,7 +409,7 @@ def test_only_the_collector_is_published_beyond_loopback() -> None:
 
 
 @pytest.mark.parametrize("name", ["engine-cpu", "collector", "judge", "buffer", "trainer-cpu",
-                                  "trainer-gpu", "watcher", "ctl"])
+                                  "trainer-gpu", "watcher", "eval-engine-cpu", "evaluator", "ctl"])
 def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     module = dict((n, m) for n, _, m in ours())[name]
     if module != "nextstate" and not module_entrypoint_exists(module):
@@ -416,7 +428,7 @@ def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.
 
 # Each service's own Redis ACL user (services/ctl/redis_acl.py).
 REDIS_ROLES = {"collector": "collector", "judge": "judge", "buffer": "buffer", "trainer-cpu": "trainer",
-               "trainer-gpu": "trainer", "watcher": "watcher", "ctl": "ctl"}
+               "trainer-gpu": "trainer", "watcher": "watcher", "evaluator": "evaluator", "ctl": "ctl"}
 
 
 def test_a_typo_fails_the_field_check() -> None:
@@ -514,7 +526,8 @@ def test_each_bucket_user_has_its_role_and_only_the_trainer_writes_checkpoints()
     users = {name: svc["environment"].get("NEXTSTATE_BUCKET__ACCESS_KEY") for name, svc, _ in ours()}
     assert users["trainer-cpu"] == users["trainer-gpu"] == "nextstate-trainer"
     assert users["watcher"] == "nextstate-watcher" and users["buffer"] == "nextstate-buffer"
-    for name in ("collector", "judge", "engine-cpu"):
+    assert users["evaluator"] == "nextstate-evaluator"
+    for name in ("collector", "judge", "engine-cpu", "eval-engine-cpu"):
         assert users[name] is None, f"{name} has bucket credentials it does not need"
     env = filled_example_env()
     assert users["ctl"] == env["MINIO_ROOT_USER"]  # the operator: `nextstate rollback`
@@ -524,4 +537,30 @@ def test_each_bucket_user_has_its_role_and_only_the_trainer_writes_checkpoints()
     for role in bucket_roles.ROLES:
         assert (REPO / "deploy" / "minio" / f"nextstate-{role}.json").is_file()
         assert init["environment"][f"MINIO_{role.upper()}_SECRET"] == env[f"MINIO_{role.upper()}_SECRET"]
-    assert "for role in trainer watcher buffer" in script and "mc admin policy attach" in script
+    assert f"for role in {' '.join(bucket_roles.ROLES)}; do" in script and "mc admin policy attach" in script
+
+
+def test_the_evaluator_has_an_evaluation_engine_of_its_own() -> None:
+    """Per profile one evaluation engine answers as `eval-engine`, loading the candidates the
+    evaluator installs into the volume they share; never the engine users talk to."""
+    svcs = services()
+    evaluator = svcs["evaluator"]
+    env = evaluator["environment"]
+    assert env["NEXTSTATE_EVAL__ENGINE_URL"] == "http://eval-engine:30000"
+    local_dir = env["NEXTSTATE_EVAL__LOCAL_DIR"]
+    assert f"eval-checkpoints:{local_dir}" in evaluator["volumes"]
+    cpu, gpu = svcs["eval-engine-cpu"], svcs["eval-engine-gpu"]
+    assert cpu["profiles"] == ["cpu"] and gpu["profiles"] == ["gpu"]
+    for svc in (cpu, gpu):
+        assert svc["networks"]["default"]["aliases"] == ["eval-engine"]
+        assert f"eval-checkpoints:{local_dir}:ro" in svc["volumes"]
+        assert "./models/policy:/models/policy:ro" in svc["volumes"]
+        assert "checkpoints:/checkpoints:ro" not in svc["volumes"]  # the served policy's are not its
+    assert set(evaluator["depends_on"]) >= {"eval-engine-cpu", "eval-engine-gpu", "redis", "bucket-init"}
+    assert not ({"engine-cpu", "engine-gpu"} & set(evaluator["depends_on"]))
+    argv = gpu["entrypoint"] + gpu["command"]
+    assert argv[argv.index("--api-key") + 1] == filled_example_env()["NEXTSTATE_INTERNAL__TOKEN"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["device_ids"] == ["1"]
+    assert "container_name" not in evaluator
+    assert json.loads(env["NEXTSTATE_EVAL__SUITES"]) == ["demo", "drift"]

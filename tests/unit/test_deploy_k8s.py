@@ -5,8 +5,9 @@ kustomize` when kubectl is installed): every file is in the kustomization, every
 workload has probes and resources, every Secret/ConfigMap/PVC reference resolves, every
 `NEXTSTATE_*` variable is a real settings field, KEDA scales the judge StatefulSet on
 the stream and group that shared/keys.py names, every consumer has a stable name,
-Redis fsyncs every write, and only the trainer, watcher and buffer reach the bucket, each
-as its own MinIO user, which the bucket-init Job creates (run here with a stand-in `mc`).
+Redis fsyncs every write, only the trainer, watcher, buffer and evaluator reach the
+bucket, each as its own MinIO user, which the bucket-init Job creates (run here with a
+stand-in `mc`), and each evaluator pod carries its own evaluation engine.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tests.unit.test_deploy_compose import (
     module_entrypoint_exists,
     python_module,
     settings_class,
+    settings_group,
 )
 from tests.unit.test_deploy_compose import services as compose_services
 
@@ -70,12 +72,14 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
 
 def containers(docs: list[dict[str, Any]], kinds: tuple[str, ...] = WORKLOADS
                ) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(workload name, pod spec, container) for every container of every workload (of `kinds`)."""
+    """(container name, pod spec, container) for every container of every workload (of
+    `kinds`). A workload's main container is named after it (`evaluator`); a sidecar has
+    a name of its own (`eval-engine`)."""
     for d in docs:
         if d["kind"] in kinds:
             spec = d["spec"]["template"]["spec"]
             for c in spec["containers"]:
-                yield d["metadata"]["name"], spec, c
+                yield c["name"], spec, c
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -128,7 +132,8 @@ def test_kustomization_lists_every_file() -> None:
 def test_every_workload_has_probes_and_resources() -> None:
     docs = base_docs()
     names = {n for n, _, _ in containers(docs)}
-    assert {"engine", "collector", "judge", "buffer", "trainer", "watcher", "redis"} <= names
+    assert {"engine", "collector", "judge", "buffer", "trainer", "watcher", "evaluator", "eval-engine",
+            "redis"} <= names
     for name, _, c in containers(docs):
         assert "livenessProbe" in c and "readinessProbe" in c, name
         for part in ("requests", "limits"):
@@ -142,7 +147,7 @@ def test_probes_hit_healthz_and_readyz_on_the_configured_port() -> None:
         live, ready = c["livenessProbe"]["httpGet"], c["readinessProbe"]["httpGet"]
         assert (live["path"], ready["path"]) == ("/healthz", "/readyz"), name
         env = container_env(c, docs)
-        group = module.split(".")[-1].upper()
+        group = settings_group(module)
         assert int(env[f"NEXTSTATE_{group}__PORT"]) == ports[ready["port"]], name
         assert env[f"NEXTSTATE_{group}__HOST"] == "0.0.0.0", name
 
@@ -150,11 +155,12 @@ def test_probes_hit_healthz_and_readyz_on_the_configured_port() -> None:
 def test_commands_are_real_entrypoints() -> None:
     modules = {m for _, _, m in ours(base_docs())}
     assert modules == {f"services.{s}" for s in
-                       ("engine", "collector", "judge", "buffer", "trainer", "watcher")}
+                       ("engine", "collector", "judge", "buffer", "trainer", "watcher", "evaluator")}
     assert all(module_entrypoint_exists(m) for m in modules)
 
 
-@pytest.mark.parametrize("workload", ["engine", "collector", "judge", "buffer", "trainer", "watcher"])
+@pytest.mark.parametrize("workload", ["engine", "collector", "judge", "buffer", "trainer", "watcher",
+                                      "evaluator", "eval-engine"])
 def test_nextstate_variables_are_settings_fields(workload: str, monkeypatch: pytest.MonkeyPatch) -> None:
     docs = base_docs()
     _, c, module = next(x for x in ours(docs) if x[0] == workload)
@@ -353,7 +359,7 @@ def test_every_workload_gets_the_internal_token_and_sglang_checks_it() -> None:
 
 # Each service's own Redis ACL user (services/ctl/redis_acl.py); the engine has none.
 REDIS_ROLES = {"collector": "collector", "judge": "judge", "buffer": "buffer", "trainer": "trainer",
-               "watcher": "watcher"}
+               "watcher": "watcher", "evaluator": "evaluator"}
 
 
 def test_each_service_connects_to_redis_as_its_own_user() -> None:
@@ -370,7 +376,7 @@ def test_each_service_connects_to_redis_as_its_own_user() -> None:
         password_ref = next(i for i in c["env"] if i["name"] == "REDIS_USER_PASSWORD")
         assert password_ref["valueFrom"]["secretKeyRef"]["key"] == redis_acl.PASSWORD_VARS[role], name
         assert url.password == secret[redis_acl.PASSWORD_VARS[role]], name
-    assert set(REDIS_ROLES) == {n for n, _, _ in ours(docs)} - {"engine"}
+    assert set(REDIS_ROLES) == {n for n, _, _ in ours(docs)} - {"engine", "eval-engine"}
 
 
 def test_redis_has_the_acl_users_of_the_module() -> None:
@@ -422,8 +428,9 @@ def role_keys(role: str) -> dict[str, str]:
 
 
 def check_bucket_access(docs: list[dict[str, Any]]) -> None:
-    """Trainer, watcher and buffer read nextstate-bucket and their own role's keys; every
-    other container configures no bucket and holds no bucket or MinIO key."""
+    """Trainer, watcher, buffer and evaluator read nextstate-bucket and their own role's keys;
+    every other container (the evaluator's engine sidecar too) configures no bucket and holds
+    no bucket or MinIO key."""
     seen = set()
     for name, _, c in containers(docs):
         maps, bucket = bucket_access(c)
@@ -555,3 +562,39 @@ def test_bucket_init_refuses_placeholders_and_shared_users(tmp_path: Path) -> No
             d["data"]["NEXTSTATE_BUCKET__SECURE"] = "true"
     out, calls = run_bucket_init(tmp_path, docs, filled)
     assert out.returncode == 0 and calls[0][3].startswith("https://"), out.stderr
+
+
+def test_each_evaluator_pod_carries_its_own_evaluation_engine() -> None:
+    """The evaluator talks to the engine beside it in its pod, never the serving `engine`
+    Service: scaling the Deployment scales engines with workers. Candidates go through a
+    volume of the pod's own (the evaluator installs, the engine reads)."""
+    docs = base_docs()
+    evaluator = by_kind(docs, "Deployment")["evaluator"]["spec"]
+    pod = evaluator["template"]["spec"]
+    by_name = {c["name"]: c for c in pod["containers"]}
+    assert set(by_name) == {"evaluator", "eval-engine"}
+    main, engine = by_name["evaluator"], by_name["eval-engine"]
+    env = container_env(main, docs)
+    engine_env = container_env(engine, docs)
+    assert env["NEXTSTATE_EVAL__ENGINE_URL"] == f"http://127.0.0.1:{engine_env['NEXTSTATE_ENGINE__PORT']}"
+    assert json.loads(env["NEXTSTATE_EVAL__SUITES"]) == ["demo", "drift"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    local_dir = env["NEXTSTATE_EVAL__LOCAL_DIR"]
+
+    def mount(c: dict[str, Any], path: str) -> dict[str, Any]:
+        return next(m for m in c["volumeMounts"] if m["mountPath"] == path)
+
+    shared = mount(main, local_dir)
+    assert "emptyDir" in volumes[shared["name"]] and not shared.get("readOnly")
+    assert mount(engine, local_dir) == {**shared, "readOnly": True}
+    for c in (main, engine):  # the base model: the engine serves it, drift's reference reads it
+        assert volumes[mount(c, "/models/policy")["name"]]["persistentVolumeClaim"]["claimName"] == "nextstate-models"
+    assert "checkpoints" not in {v.get("persistentVolumeClaim", {}).get("claimName") for v in volumes.values()}
+    assert not [s for s in by_kind(docs, "Service") if s == "evaluator"]  # nothing calls it
+    assert consumer_name(env["NEXTSTATE_EVAL__CONSUMER_NAME"], "evaluator").startswith("evaluator-")
+    patch = yaml.safe_load((GPU / "evaluator-sglang.yaml").read_text())["spec"]["template"]["spec"]
+    (sglang,) = patch["containers"]
+    assert sglang["name"] == "eval-engine" and sglang["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert sglang["args"][sglang["args"].index("--port") + 1] == engine_env["NEXTSTATE_ENGINE__PORT"]
+    assert sglang["args"][sglang["args"].index("--api-key") + 1] == "$(NEXTSTATE_INTERNAL__TOKEN)"
+    assert "securityContext" not in patch  # root for the SGLang container only, not the evaluator

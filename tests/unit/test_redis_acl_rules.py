@@ -31,7 +31,9 @@ def test_service_roles_get_no_admin_and_no_key_outside_the_prefix() -> None:
         assert "-@admin" in rules and "-@dangerous" in rules, role
         assert "resetchannels" in rules and "-@all" in rules, role
         for pattern in re.findall(r"(?:%R|%W)?~(\S+?)(?=[ )]|$)", text):
-            assert pattern.startswith("exp:"), (role, pattern)
+            # rq's keys (outside any prefix): the evaluator's worker, and enqueuing (ctl too).
+            rq_ok = role in ("evaluator", "ctl") and pattern.startswith("rq:")
+            assert pattern.startswith("exp:") or rq_ok, (role, pattern)
         assert "+eval" not in rules and "+@scripting" not in text
     assert redis_acl.rules(redis_acl.ADMIN, "exp") == ["~*", "&*", "+@all"]
 
@@ -43,12 +45,33 @@ def test_what_each_role_may_touch() -> None:
     assert "batches" not in keys_of("collector") and "turns" in keys_of("collector")
     assert "batches" not in keys_of("judge") and "done:judge:*" in keys_of("judge")
     assert "turns" not in keys_of("trainer") and "scored" not in keys_of("trainer")
-    assert keys_of("watcher") == {"policy", "policy-version", "watcher-state", "refused-versions"}
+    assert {"policy", "policy-version", "watcher-state", "refused-versions"} <= keys_of("watcher")
+    assert not {"turns", "batches", "checkpoints"} & keys_of("watcher")
     assert keys_of("keda") == {"turns"}
     assert redis_acl.rules("ctl", "exp")[0] == "~exp:*"
     # The watcher's only DEL is on policy-version: a selector of its own.
     (selector,) = [r for r in redis_acl.rules("watcher", "exp") if "+del" in r]
     assert selector == "(%W~exp:policy-version +set +del)"
+
+
+def test_the_evaluator_touches_its_queues_keys_only() -> None:
+    """Its stream work under the prefix; in rq's namespace only the eval queue `exp-eval`, its
+    registries, workers named after it and evaluation jobs (`eval_2e…`); no Pub/Sub, no INFO."""
+    rules = redis_acl.rules("evaluator", "exp")
+    text = " ".join(rules)
+    ours = set(re.findall(r"~exp:(\S+?)(?=[ )]|$)", text))
+    assert ours == {"checkpoints", "done:evaluator:*", "evals", "dead", "eval-enqueued:*"}
+    rq = set(re.findall(r"~(rq:\S+?)(?=[ )]|$)", text))
+    allowed = re.compile(r"rq:(queues|workers|suspended|[a-z_]+:exp-eval(:intermediate\*|\.\*)?|"
+                         r"(job:?|results|execution|executions):eval_2e\*)")
+    assert rq and all(allowed.fullmatch(k) for k in rq), rq
+    assert "~rq:*" not in text and "&" not in text and "+info" not in text and "+@pubsub" not in text
+    assert "(%W~exp:evals +xadd)" in rules  # publishes results, reads none
+    assert "%R~rq:suspended" in text  # `rq suspend` is the operator's
+    # Enqueuing is the operator's too (`nextstate eval run`), and nobody else's.
+    assert "(~rq:job:eval_2e* ~rq:queue:exp-eval +evalsha +exists +hset +expire +rpush)" in redis_acl.rules("ctl", "exp")
+    for role in ("collector", "judge", "buffer", "trainer", "watcher", "keda"):
+        assert "rq:" not in " ".join(redis_acl.rules(role, "exp")), role
 
 
 def test_the_docstring_table_has_every_role() -> None:
@@ -148,8 +171,9 @@ async def test_up_gives_each_service_its_roles_url(tmp_path: Path, monkeypatch: 
     users = {p.name: urlsplit(p.env["NEXTSTATE_REDIS__URL"]).username
              for p in stack.sup.procs if "NEXTSTATE_REDIS__URL" in p.env}
     assert users == {"collector": "collector", "judge-0": "judge", "judge-1": "judge",
-                     "buffer": "buffer", "trainer": "trainer", "watcher": "watcher"}
-    assert "engine" not in users  # it never uses Redis
+                     "buffer": "buffer", "trainer": "trainer", "watcher": "watcher",
+                     "evaluator": "evaluator"}
+    assert "engine" not in users and "eval-engine" not in users  # they never use Redis
 
 
 # -- prod: a Redis URL without a password is refused ------------------------------------------------

@@ -44,7 +44,9 @@ async def launched(tmp_path: Path, *argv: str) -> dict[str, Proc]:
 
 async def test_consumers_get_stable_names_and_the_serving_path_is_marked(tmp_path: Path) -> None:
     procs = await launched(tmp_path, "--judges", "2")
-    assert list(procs) == ["engine", "collector", "judge-0", "judge-1", "buffer", "trainer", "watcher"]
+    assert list(procs) == ["engine", "collector", "judge-0", "judge-1", "buffer", "trainer", "watcher",
+                           "eval-engine", "evaluator"]
+    assert procs["evaluator"].env["NEXTSTATE_EVAL__CONSUMER_NAME"] == "evaluator"
     assert procs["judge-0"].env["NEXTSTATE_JUDGE__CONSUMER_NAME"] == "judge-0"
     assert procs["judge-1"].env["NEXTSTATE_JUDGE__CONSUMER_NAME"] == "judge-1"
     assert procs["buffer"].env["NEXTSTATE_BUFFER__CONSUMER_NAME"] == "buffer"
@@ -64,6 +66,15 @@ async def test_dependents_are_built_from_the_final_port(tmp_path: Path) -> None:
     assert procs["judge-0"].env["NEXTSTATE_JUDGE__ENGINE_URL"] == engine_url
     # The port the user asked for is kept, never moved: a taken one is an error.
     assert procs["collector"].port == 18000 and procs["collector"].rebind is None
+
+
+async def test_gate_and_no_eval_flags(tmp_path: Path) -> None:
+    gated = await launched(tmp_path / "a", "--gate")
+    assert gated["watcher"].env["NEXTSTATE_GATE__ENABLED"] == "true"
+    assert gated["evaluator"].env["NEXTSTATE_EVAL__ENGINE_URL"] == f"http://127.0.0.1:{gated['eval-engine'].port}"
+    bare = await launched(tmp_path / "b", "--no-eval")
+    assert "eval-engine" not in bare and "evaluator" not in bare
+    assert "NEXTSTATE_GATE__ENABLED" not in bare["watcher"].env
 
 
 def test_consumer_name_placeholders(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,169 @@
+"""Every version earns its place: `nextstate up --gate` with traffic, the real evaluator.
+
+`nextstate up --gate` on a tiny model starts, beside the loop, the evaluation engine and
+the evaluator; agents talk to the collector all along. Versions the trainer commits are
+evaluated (demo criterion and drift from the base) and promoted by the watcher's gate.
+Then a version with scrambled weights is published the way the trainer publishes (files,
+manifest, LATEST, a `checkpoints` announcement): the evaluator scores it, the gate
+refuses it (its drift is far over the limit), and the engine never serves it while the
+agents keep getting answers. `nextstate eval show --json` lists the scored versions with
+their decisions; `nextstate eval plot` draws the learning curve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from shared import checkpoints as ckpt
+from shared.keys import Keys
+from shared.schemas import CheckpointPublished, EvalResult, Promotion
+from shared.settings import BucketSettings
+from shared.store import Bucket
+from tests.support.load import Load
+from tests.support.upstack import NEXTSTATE, UpStack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SETTINGS = {
+    "NEXTSTATE_WATCHER__POLL_INTERVAL_S": "0.5",
+    "NEXTSTATE_EVAL__SAMPLES": "8",
+    "NEXTSTATE_EVAL__MAX_TOKENS": "8",
+    # Lenient for honest versions of a tiny random model trained hard; a scrambled model is
+    # orders of magnitude further from the base than that.
+    "NEXTSTATE_GATE__DELTA": "1.0",
+    "NEXTSTATE_GATE__DRIFT_MAX": "5.0",
+    "NEXTSTATE_TRAINER__KEEP_VERSIONS": "1000",
+    "NEXTSTATE_GATE__WAIT_S": "240",
+}
+
+
+async def until(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await asyncio.to_thread(cond)
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def scramble(model: Path, dest: Path) -> Path:
+    """The same model (config, tokenizer) with every weight tensor's values shuffled and
+    blown up tenfold: a policy that collapsed (a tiny random model merely shuffled stays
+    about as uniform as its base, and no suite could tell)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, dest)
+    gen = torch.Generator().manual_seed(7)
+    for f in dest.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({k: 10 * t.flatten()[torch.randperm(t.numel(), generator=gen)].reshape(t.shape).contiguous()
+                   for k, t in tensors.items()}, str(f), metadata={"format": "pt"})
+    return dest
+
+
+def read(r: redis.Redis, key: str, model: Any) -> list[Any]:
+    return [model.from_json(f["data"]) for _, f in r.xrange(key)]
+
+
+async def test_a_scrambled_version_is_refused_and_never_served(
+    tiny_model: Path, tmp_path: Path, unique: str
+) -> None:
+    stack = UpStack(tiny_model, tmp_path / "home", run=f"gate-{unique}", prefix=f"g-{unique}",
+                    args=["--gate", "--lr", "2e-3", "--batch-size", "8", "--max-wait", "3"], env=SETTINGS)
+    await asyncio.to_thread(stack.start)
+    keys = Keys(stack.prefix)
+    load = Load(stack.collector, agents=3, turns=3).start()
+    served_versions: list[int] = []
+    try:
+        def promoted() -> list[Promotion]:
+            with stack.redis() as r:
+                return [p for p in read(r, keys.promotions, Promotion) if p.decision == "promoted"]
+
+        first = (await until(promoted, 300, "a version evaluated and promoted"))[0]
+
+        def serving() -> int | None:
+            v = stack.engine_version()
+            if v is not None and v.isdigit():
+                served_versions.append(int(v))
+                return int(v)
+            return None
+
+        await until(lambda: (serving() or 0) >= first.version, 60, "the promoted version served")
+
+        # A scrambled version, published as the trainer would, above every number in use.
+        env = stack.bucket_env()
+        settings = BucketSettings(endpoint=env["NEXTSTATE_BUCKET__ENDPOINT"], name=env["NEXTSTATE_BUCKET__NAME"],
+                                  access_key=env["NEXTSTATE_BUCKET__ACCESS_KEY"],
+                                  secret_key=env["NEXTSTATE_BUCKET__SECRET_KEY"])
+        scrambled = scramble(tiny_model, tmp_path / "scrambled")
+        with Bucket(settings) as bucket:
+            bad = max(ckpt.all_versions(bucket, stack.run)) + 100_000  # far above the trainer's numbers
+            ckpt.publish_checkpoint(bucket, stack.run, bad, scrambled, base_model="scrambled")
+        with stack.redis() as r:
+            r.xadd(keys.checkpoints, {"data": CheckpointPublished(
+                run=stack.run, version=bad, manifest=ckpt.manifest_key(stack.run, bad)).to_json()})
+        t0 = time.time()
+
+        def refused() -> Promotion | None:
+            with stack.redis() as r:
+                return next((p for p in read(r, keys.promotions, Promotion)
+                             if p.version == bad and p.decision == "refused"), None)
+
+        async def watch_engine() -> None:
+            while not refused():
+                serving()
+                await asyncio.sleep(0.1)
+
+        decision, _ = await asyncio.gather(until(refused, 300, "the gate's decision on it"), watch_engine())
+        for _ in range(10):  # and afterwards, a few polls of the watcher
+            serving()
+            await asyncio.sleep(0.3)
+        assert bad not in served_versions, "the scrambled version was served"
+        assert any("drift" in reason for reason in decision.reasons), decision.reasons
+        assert await load.served_since(t0, n=20)  # users kept getting answers meanwhile
+        with stack.redis() as r:
+            evals = [e for e in read(r, keys.evals, EvalResult) if e.version == bad]
+        drift = next(e for e in evals if e.suite == "drift")
+        assert drift.score > float(SETTINGS["NEXTSTATE_GATE__DRIFT_MAX"]) and not drift.higher_is_better
+
+        # What an operator sees: scored versions with their decisions, and a learning curve.
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+        clean["NEXTSTATE_HOME"] = str(stack.home)
+        out = subprocess.run([NEXTSTATE, "eval", "show", "--json"], env=clean, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        rows = {row["version"]: row for row in json.loads(out.stdout)["versions"]}
+        assert rows[bad]["decision"] == "refused" and rows[first.version]["decision"] == "promoted"
+        assert {"demo", "drift"} <= set(rows[first.version]["suites"])
+        # The demo's per-version success carries the evaluation beside it.
+        demo = subprocess.run([NEXTSTATE, "demo", "--task", "vowel", "--turns", "6", "--max-tokens", "2",
+                               "--concurrency", "2", "--json"], env=clean, capture_output=True, text=True,
+                              timeout=180)
+        assert demo.returncode == 0, demo.stderr[-2000:]
+        by_version = json.loads(demo.stdout.strip().splitlines()[-1])["by_version"]
+        assert any(row.get("eval", {}).get("decision") == "promoted" and "demo" in row["eval"]["suites"]
+                   for row in by_version), by_version
+        png = tmp_path / "curve.png"
+        plot = subprocess.run([NEXTSTATE, "eval", "plot", "-o", str(png)], env=clean,
+                              capture_output=True, text=True, timeout=120)
+        assert plot.returncode == 0, plot.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    except BaseException:
+        print(stack.logs(20_000))
+        raise
+    finally:
+        await asyncio.wait_for(load.stop(), 300)
+        await asyncio.to_thread(stack.stop)
