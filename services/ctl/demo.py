@@ -6,9 +6,11 @@ task's criterion or a correction when it does not — that reply is the answer's
 state, which the judge scores. The last reply of a session goes out with
 `X-Session-Done: 1`. The display shows the success rate overall, over the recent
 window, and per policy version (from the `X-Policy-Version` response header), so the
-trend is visible as the trainer publishes and the watcher reloads.
+trend is visible as the trainer publishes and the watcher reloads. At the end, each
+version's line carries what the evaluator measured for it (`nextstate eval show`): the
+suites' scores and the gate's decision, when the stack evaluates versions.
 
-Tasks:
+Tasks (shared/demo_tasks.py, which the evaluator's `demo` suite also scores):
   short   answer in at most 12 words (learnable by an instruct model: SmolLM2 rambles)
   vowel   the answer starts with a vowel (for tiny random test models)
 """
@@ -27,43 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.ctl.stacks import endpoint
+from shared.demo_tasks import QUESTIONS, TASKS, Task
 
-QUESTIONS = [
-    "What is the capital of France?", "What do bees make?", "How many legs does a spider have?",
-    "What color is the sky on a clear day?", "What is 7 times 8?", "Who wrote Romeo and Juliet?",
-    "What is the largest planet in our solar system?", "What gas do plants absorb?",
-    "What is the boiling point of water in Celsius?", "Which ocean is the largest?",
-    "What is the freezing point of water in Fahrenheit?", "How many continents are there?",
-    "What language is spoken in Brazil?", "What is the square root of 81?",
-    "Which animal is known as the king of the jungle?", "What is H2O?",
-    "What is the tallest mountain on Earth?", "How many days are in a leap year?",
-    "What instrument has 88 keys?", "What is the chemical symbol for gold?",
-]
 PRAISE = ["Perfect, thanks!", "Great, that's exactly what I needed, thanks.", "Thank you, perfect.",
           "Looks good, thanks!"]
-
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    system: str
-    correction: str
-
-    def ok(self, text: str) -> bool:
-        words = text.split()
-        if self.name == "short":
-            return 0 < len(words) <= 12
-        if self.name == "vowel":
-            stripped = text.lstrip()
-            return bool(stripped) and stripped[0].lower() in "aeiou"
-        raise ValueError(self.name)
-
-
-TASKS = {
-    "short": Task("short", "You are a helpful assistant. The user likes short answers.",
-                  "That's wrong for me: far too long. Answer again in one short sentence."),
-    "vowel": Task("vowel", "Answer the question.", "Wrong, try again."),
-}
 
 
 @dataclass
@@ -123,6 +92,8 @@ def register(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.add_argument("--no-eval", action="store_true",
+                   help="do not read the evaluations from the stack for the summary")
     p.set_defaults(func=lambda a: asyncio.run(demo(a)))
 
 
@@ -195,14 +166,17 @@ async def demo(args: argparse.Namespace) -> int:
             shower.cancel()
         await client.close()
     summary = summary_of(tally, task)
+    if not args.no_eval:
+        attach_evaluations(summary, await evaluations())
     if args.json:
         print(json.dumps(summary))
     else:
         print(tally.line())
-        print("success by policy version:")
+        print("success by policy version (evaluation: suite scores, gate decision):")
         for row in summary["by_version"]:
             bar = "#" * round(row["success_rate"] * 40)
-            print(f"  v{row['version']:>4}  {row['turns']:5d} turns  {row['success_rate']:6.1%} |{bar:<40}|")
+            print(f"  v{row['version']:>4}  {row['turns']:5d} turns  {row['success_rate']:6.1%} |{bar:<40}|"
+                  f"  {eval_text(row.get('eval'))}")
     return 0
 
 
@@ -210,4 +184,35 @@ def summary_of(tally: Tally, task: Task) -> dict[str, Any]:
     out = tally.summary()
     out["task"] = task.name
     return out
+
+
+async def evaluations() -> dict[int, dict[str, Any]]:
+    """Per version, what `nextstate eval show` knows about it; {} when the stack cannot be read
+    (no stack found, no evaluations, Redis not answering: the demo's own figures still stand)."""
+    from services.ctl.common import settings_from
+    from services.ctl.evals import gather
+
+    try:
+        settings = settings_from(argparse.Namespace(), announce=False)
+        data = await asyncio.wait_for(gather(settings, settings.run, quiet=True), timeout=15.0)
+    except Exception as exc:  # the summary is best-effort: say why and go on
+        print(f"nextstate: evaluations not read ({type(exc).__name__}: {str(exc)[:160]})", file=sys.stderr)
+        return {}
+    return {int(row["version"]): row for row in data["versions"]}
+
+
+def attach_evaluations(summary: dict[str, Any], evals: dict[int, dict[str, Any]]) -> None:
+    for row in summary["by_version"]:
+        found = evals.get(int(row["version"])) if str(row["version"]).isdigit() else None
+        if found is not None:
+            row["eval"] = {"decision": found.get("decision"),
+                           "suites": {name: s.get("score") for name, s in found["suites"].items()}}
+
+
+def eval_text(ev: dict[str, Any] | None) -> str:
+    if not ev:
+        return ""
+    scores = " ".join(f"{name} {'-' if score is None else f'{score:.3g}'}"
+                      for name, score in sorted(ev["suites"].items()))
+    return f"{scores}  {ev.get('decision') or ''}".strip()
 
