@@ -149,6 +149,18 @@ class Gate:
                     break
         return out
 
+    async def wait(self, timeout_s: float) -> bool:
+        """Block until a result arrives on `evals` or `timeout_s` passes: the watcher waits
+        here between passes, so a decision follows its results at once rather than a poll
+        later. What arrives stays pending for this consumer; the next step takes it (`_read`
+        starts with the pending ones). True when something arrived."""
+        if self.book is None or self.stale:
+            return False  # the group may not exist yet: the step that loads the book creates it
+        block_ms = max(1, min(int(timeout_s * 1000), int(self.settings.redis.socket_timeout * 1000) - 500))
+        resp = await self.bus.redis.xreadgroup(K.GROUP_GATE, self.settings.gate.consumer_name,
+                                               {self.bus.keys.evals: ">"}, count=READ_COUNT, block=block_ms)
+        return bool(resp and resp[0][1])
+
     async def _take(self, book: GateBook, entry_id: str, data: str | None, now: float) -> None:
         if data is None:
             return  # trimmed from the stream while pending: nothing left to read

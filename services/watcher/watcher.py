@@ -1,6 +1,7 @@
 """Keep the engine serving the policy it should: reconcile on a timer, not only on LATEST.
 
-One pass (`Watcher.sync_once`), every `poll_interval_s`:
+One pass (`Watcher.sync_once`), every `poll_interval_s` (with the gate on, also as soon as an
+evaluation result arrives: the wait between passes blocks on `evals`):
 1. Read `policies/<run>/LATEST` (an unreadable one is noted, not fatal) and ask the engine
    what it really serves (`weight_version`). An unreachable engine is noted and the pass
    ends; the next one retries.
@@ -308,7 +309,24 @@ class Watcher:
                 await self.sync_once()
             except (NextstateError, OSError) as exc:  # a pass notes its own errors; this is a guard
                 log.warning("watch pass failed, retrying", extra={"error": f"{type(exc).__name__}: {exc}"})
-            try:
-                await asyncio.wait_for(stop.wait(), self.cfg.poll_interval_s)
-            except asyncio.TimeoutError:
-                pass
+            await self._pause(stop)
+
+    async def _pause(self, stop: asyncio.Event) -> None:
+        """Wait `poll_interval_s` between passes, or less: until `stop`, or (gate on) until
+        an evaluation result arrives, so that the gate decides on it at once."""
+        waits: list[asyncio.Task[bool]] = [asyncio.create_task(stop.wait())]
+        if self.gate is not None:
+            waits.append(asyncio.create_task(self.gate.wait(self.cfg.poll_interval_s)))
+        try:
+            done, _ = await asyncio.wait(waits, timeout=self.cfg.poll_interval_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not task.cancelled() and isinstance(task.exception(), (RedisError, BusError)):
+                    # The next pass meets the outage too and notes it; do not spin meanwhile.
+                    await asyncio.wait_for(stop.wait(), self.cfg.poll_interval_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
