@@ -88,7 +88,7 @@ def main() -> None:
         procs.append(ServiceProcess("evaluator", {
             **env, "NEXTSTATE_EVAL__ENGINE_URL": urls["eval"], "NEXTSTATE_EVAL__TOKENIZER": str(base),
             "NEXTSTATE_EVAL__BASE_MODEL": str(base), "NEXTSTATE_EVAL__LOCAL_DIR": str(work / "eval-ckpt"),
-            "NEXTSTATE_EVAL__SAMPLES": str(args.samples), "NEXTSTATE_EVAL__PORT": str(ev_port),
+            "NEXTSTATE_EVAL__SAMPLES": str(args.samples), "NEXTSTATE_EVAL__DEMO_TASK": "vowel", "NEXTSTATE_EVAL__PORT": str(ev_port),
             "NEXTSTATE_EVAL__CONSUMER_NAME": "evaluator"}).start())
         procs[-1].wait_http(f"http://127.0.0.1:{ev_port}/readyz", timeout=300)
         procs.append(ServiceProcess("watcher", {
@@ -101,7 +101,7 @@ def main() -> None:
                             bucket={k.split("__")[1].lower(): v for k, v in s3.env().items()})
         keys = Keys(settings.redis.prefix)
         r = redis.Redis.from_url(rds.url, decode_responses=True)
-        cfg = EvalConfig(samples=args.samples, local_dir=work / "direct-ckpt")
+        cfg = EvalConfig(samples=args.samples, local_dir=work / "direct-ckpt", demo_task="vowel")
         pipeline, direct = [], []
         with Bucket(settings.bucket) as bucket:
             bucket.ensure()

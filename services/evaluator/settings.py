@@ -20,7 +20,8 @@
     NEXTSTATE_EVAL__USER_URL=                    simulated-user suite: an OpenAI-compatible endpoint
     NEXTSTATE_EVAL__USER_MODEL= / __USER_API_KEY=     (e.g. the judge model) playing the user
     NEXTSTATE_EVAL__SCENARIOS=                   a folder of scenario files (default: the package's)
-    NEXTSTATE_EVAL__DEMO_TASK=vowel              the demo criterion suite's task (shared/demo_tasks.py)
+    NEXTSTATE_EVAL__DEMO_TASK=short              the demo criterion suite's task (shared/demo_tasks.py;
+                                                 `nextstate demo`'s default; vowel for tiny test models)
     NEXTSTATE_EVAL__SAMPLES=32                   tasks / prompts per suite (n); a job may ask for more
     NEXTSTATE_EVAL__MAX_TOKENS=32                per answer
     NEXTSTATE_EVAL__SEED=0
@@ -68,7 +69,7 @@ class EvalConfig(BaseModel):
     user_model: str = "judge"
     user_api_key: SecretStr | None = None
     scenarios: Path | None = None
-    demo_task: str = "vowel"
+    demo_task: str = "short"
     samples: int = Field(32, ge=1)
     max_tokens: int = Field(32, ge=1)
     seed: int = 0

@@ -38,6 +38,7 @@ SETTINGS = {
     "NEXTSTATE_WATCHER__POLL_INTERVAL_S": "0.5",
     "NEXTSTATE_EVAL__SAMPLES": "8",
     "NEXTSTATE_EVAL__MAX_TOKENS": "8",
+    "NEXTSTATE_EVAL__DEMO_TASK": "vowel",  # the tiny model's demo task
     # Lenient for honest versions of a tiny random model trained hard; a scrambled model is
     # orders of magnitude further from the base than that.
     "NEXTSTATE_GATE__DELTA": "1.0",
