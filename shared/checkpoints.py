@@ -38,6 +38,7 @@ from shared.errors import (
     ObjectNotFound,
     StoreError,
 )
+from shared.gate_view import GateView
 from shared.schemas import CheckpointFile, CheckpointManifest, LatestPointer, describe
 from shared.store import Bucket, FileDigest
 
@@ -386,8 +387,11 @@ def _install(staging: Path, dest: Path, manifest: CheckpointManifest) -> None:
 
 
 # -- retention ---------------------------------------------------------------------------------
-def prune_bucket(bucket: Bucket, run: str, keep: int, *, partial_grace_s: float = 3600.0) -> list[int]:
-    """Delete all but the newest `keep` committed versions, never the one LATEST points at.
+def prune_bucket(bucket: Bucket, run: str, keep: int, *, gate: GateView | None = None,
+                 partial_grace_s: float = 3600.0) -> list[int]:
+    """Delete all but the newest `keep` committed versions, never the one LATEST points at;
+    with a promotion gate, never what it serves nor a version it has yet to decide on
+    while it would still wait for its results (shared/gate_view.py says why).
 
     Half-uploaded versions (no manifest) are deleted once their newest object is older
     than `partial_grace_s`, so a publish in progress is left alone. Returns what was deleted.
@@ -398,6 +402,10 @@ def prune_bucket(bucket: Bucket, run: str, keep: int, *, partial_grace_s: float 
     latest = read_latest(bucket, run)
     committed = sorted((v for v, (has, _) in scan.items() if has), reverse=True)
     protected = set(committed[:keep]) | ({latest.version} if latest else set())
+    if gate is not None:
+        waiting_since = time.time() - gate.wait_s - 60.0  # a margin for clocks and the gate's poll
+        protected |= gate.serving
+        protected |= {v for v in committed if v not in gate.decided and scan[v][1] >= waiting_since}
     cutoff = time.time() - partial_grace_s
     doomed = [v for v, (has, newest) in sorted(scan.items())
               if v not in protected and (has or newest < cutoff)]

@@ -35,6 +35,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | announce a version: XADD / SET | `P:checkpoints` / `P:trainer-version` (write only) |
 | | refused checkpoints: HSET | `P:refused-versions` (write only) |
 | | the rebase to follow (`nextstate rollback`, the gate): GET | `P:lineage-base` (read only) |
+| | retention keeps what the promotion gate serves or has yet to decide: HGETALL | `P:gate-state` (read only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | watcher | announce a loaded policy: XADD | `P:policy` (write only) |
 | | what the engine serves: SET DEL | `P:policy-version` (write only) |
@@ -223,6 +224,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
             Grant(("set",), _w(k.trainer_version)),
             Grant(("hset",), _w(k.refused_versions)),
             Grant(("get",), _r(k.lineage)),
+            Grant(("hgetall",), _r(k.gate_state)),  # retention keeps what the gate needs
             _dead(k),
         ]
     if role == "watcher":

@@ -69,6 +69,7 @@ from shared.checkpoints import (
     version_dirname,
 )
 from shared.errors import ChecksumMismatch, CorruptCheckpoint, NoCheckpoint, ObjectNotFound
+from shared.gate_view import GateView
 from shared.schemas import CheckpointManifest, LatestPointer
 from shared.store import Bucket
 
@@ -153,9 +154,11 @@ def commit_snapshot(
     base_model: str,
     keep: int,
     guard: Callable[[LatestPointer | None], None] | None = None,
+    gate: GateView | None = None,
 ) -> CheckpointManifest:
     """Write, upload and commit one version (idempotent: a retry redoes it whole). `guard`
-    as in `publish_checkpoint`: it may stop the commit before the manifest or LATEST."""
+    as in `publish_checkpoint`: it may stop the commit before the manifest or LATEST.
+    `gate`: the promotion gate's view; retention keeps what it serves or has yet to decide."""
     folder = work_dir / f"snapshot-{version_dirname(snap.version)}"
     shutil.rmtree(folder, ignore_errors=True)
     try:
@@ -173,13 +176,14 @@ def commit_snapshot(
         )  # fmt: skip
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    prune(bucket, run, keep)
+    prune(bucket, run, keep, gate)
     return manifest
 
 
-def prune(bucket: Bucket, run: str, keep: int) -> None:
-    """Keep the newest `keep` versions, and trainer states only for versions still kept."""
-    prune_bucket(bucket, run, keep)
+def prune(bucket: Bucket, run: str, keep: int, gate: GateView | None = None) -> None:
+    """Keep the newest `keep` versions (and what the gate needs), and trainer states only
+    for versions still kept."""
+    prune_bucket(bucket, run, keep, gate=gate)
     kept = set(list_versions(bucket, run))
     newest = max(kept, default=0)
     stale = {v for v in state_versions(bucket, run) if v not in kept and v < newest}

@@ -71,6 +71,7 @@ from shared import keys as K
 from shared.checkpoints import manifest_key
 from shared.consumer import Consumer, Delivery, consumer_name, stop_on_signals
 from shared.errors import BusError, MalformedMessage, StoreError
+from shared.gate_view import GateView, gate_view
 from shared.lineage import RebaseRecord
 from shared.runs import claim_run, record_for
 from shared.schemas import (
@@ -336,6 +337,15 @@ class TrainerService:
             if fut is not None and not fut.done():
                 fut.set_result(None)
 
+    async def gate_view(self) -> GateView | None:
+        """The promotion gate's view for retention (None: no gate, or Redis not answering —
+        then retention is the trainer's own: a commit never waits for Redis)."""
+        try:
+            return gate_view(await self.bus.redis.hgetall(self.bus.keys.gate_state))
+        except RedisError as exc:
+            log.warning("gate state not read; pruning without it", extra={"error": str(exc)})
+            return None
+
     async def commit(self, snap: Snapshot) -> CheckpointManifest | None:
         """Commit one version, retrying with backoff until the bucket takes it; None when a
         rollback abandoned its lineage first (nothing committed, LATEST untouched)."""
@@ -346,10 +356,11 @@ class TrainerService:
             started = time.perf_counter()
             guard = self.follow.guard(snap)
             try:
+                gate = await self.gate_view()
                 manifest = await self.bucket.run(
                     commit_snapshot, self.bucket.sync, self.settings.run, snap, self.trainer.model,
                     work_dir=self.work_dir, static_dir=self.static_dir, base_model=self.cfg.model,
-                    keep=self.cfg.keep_versions, guard=guard,
+                    keep=self.cfg.keep_versions, guard=guard, gate=gate,
                 )  # fmt: skip
             except Superseded as exc:
                 log.warning("commit stopped: %s", exc, extra={"version": snap.version})

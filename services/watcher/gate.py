@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError, ResponseError
 
-from services.watcher.gate_rules import GateBook, Rules, Verdict, field_name
+from services.watcher.gate_rules import GateBook, Rules, Verdict
 from services.watcher.settings import WatcherSettings
 from shared import keys as K
 from shared import lineage
 from shared.errors import BusError, MalformedMessage, StoreError
+from shared.gate_view import field_name
 from shared.schemas import EvalResult, Promotion
 from shared.store import AsyncBucket
 from shared.streams import Bus
@@ -124,6 +125,9 @@ class Gate:
         book, bad = GateBook.from_fields(raw)
         for problem in bad:
             log.warning("gate-state field unreadable, ignored", extra={"error": problem})
+        # The rule in force, from the start: the trainer's retention keeps what the gate has
+        # yet to decide on once it sees a gate (shared/gate_view.py).
+        await self.bus.redis.hset(self.bus.keys.gate_state, "config", self._config())
         log.info("gate ready", extra={"promoted": book.promoted, "versions": len(book.records),
                                       "suites": list(self.rules.suites)})
         return book
@@ -179,10 +183,13 @@ class Gate:
             log.info("eval result", extra={"version": result.version, "suite": result.suite,
                                            "score": result.score, "n": result.n})
 
+    def _config(self) -> str:
+        return json.dumps({"suites": list(self.rules.suites), "delta": self.rules.delta,
+                           "drift_max": self.rules.drift_max, "wait_s": self.rules.wait_s})
+
     async def _save(self, book: GateBook, latest: int | None, now: float) -> None:
         fields = book.fields(latest, now)
-        fields["config"] = json.dumps({"suites": list(self.rules.suites), "delta": self.rules.delta,
-                                       "drift_max": self.rules.drift_max, "wait_s": self.rules.wait_s})
+        fields["config"] = self._config()
         pipe = self.bus.redis.pipeline(transaction=True)
         pipe.hset(self.bus.keys.gate_state, mapping=fields)
         if book.removed:

@@ -32,15 +32,12 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shared.gate_view import FIELD_PREFIX, field_name
 from shared.schemas import EvalResult
 
 BASE = 0  # an EvalResult for version 0 scores the base model: the first baseline
 Decision = Literal["promoted", "refused", "rolled_back"]
-FIELD_PREFIX = "version:"  # each version's record is the `gate-state` field `version:<n>`
 
-
-def field_name(version: int) -> str:
-    return f"{FIELD_PREFIX}{version}"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ tampering refused without leftovers, failed publishes, rollback, retention."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from shared.checkpoints import (
     version_prefix,
 )
 from shared.errors import ChecksumMismatch, CorruptCheckpoint, NoCheckpoint, StoreError
+from shared.gate_view import GateView, field_name, gate_view
 from shared.schemas import CheckpointFile, LatestPointer
 from shared.settings import Settings
 from shared.store import Bucket, MiB
@@ -234,6 +236,26 @@ def test_publish_replaces_an_unreadable_latest(bucket: Bucket, run: str, tmp_pat
     # A valid LATEST at a newer version still wins.
     publish_checkpoint(bucket, run, 2, make_checkpoint(tmp_path / "v2", seed=2))
     assert read_latest(bucket, run).version == 4  # type: ignore[union-attr]
+
+
+def test_prune_bucket_keeps_what_the_gate_needs(bucket: Bucket, run: str, tmp_path: Path) -> None:
+    """With a gate, retention keeps what it serves (and the promoted version before) and
+    what it has yet to decide on while it would wait — found by a real SmolLM2 run, where
+    evaluation lagged training and every promoted version was already deleted."""
+    for v in range(1, 9):
+        publish_checkpoint(bucket, run, v, make_checkpoint(tmp_path / f"v{v}", seed=v, shard_bytes=64))
+    raw = {"config": '{"wait_s": 600}', "serving": "2",
+           **{field_name(v): json.dumps({"version": v, "decision": d})
+              for v, d in [(1, "promoted"), (2, "promoted"), (3, "refused"), (4, "refused")]}}
+    gate = gate_view(raw)
+    assert gate == GateView(600.0, frozenset({1, 2, 3, 4}), frozenset({1, 2}))
+    # keep=2 alone would leave 7 and 8; the gate adds 1 and 2 (serving, promoted before)
+    # and 5, 6 (undecided, within the wait).
+    assert prune_bucket(bucket, run, keep=2, gate=gate) == [3, 4]
+    assert list_versions(bucket, run) == [1, 2, 5, 6, 7, 8]
+    # Past the gate's wait, an undecided version is the gate's to refuse: no longer kept.
+    assert prune_bucket(bucket, run, keep=2, gate=GateView(-120.0, gate.decided, gate.serving)) == [5, 6]
+    assert gate_view({"serving": "2"}) is None  # no rule recorded: no gate runs
 
 
 def test_prune_bucket_keeps_newest_and_latest(bucket: Bucket, run: str, tmp_path: Path) -> None:

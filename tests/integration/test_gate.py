@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from shared import checkpoints as ckpt
+from shared.gate_view import GateView, gate_view
 from shared.schemas import EvalResult, PolicyLoaded, Promotion, eval_job_id
 from shared.settings import Settings
 from shared.store import Bucket
@@ -140,6 +141,10 @@ async def gate_record(bus: Bus, version: int) -> dict[str, object] | None:
     return None if raw is None else dict(json.loads(raw))
 
 
+async def gate_view_of(bus: Bus) -> GateView | None:
+    return gate_view(await bus.redis.hgetall(bus.keys.gate_state))
+
+
 @pytest.fixture
 def watch_dir(tmp_path: Path) -> Path:
     return tmp_path / "ckpts"
@@ -155,6 +160,10 @@ async def test_broken_refused_better_promoted_worse_rolled_back(
     try:
         with Bucket(s3_settings.bucket) as bucket, Client(engine) as client:
             async with Bus(s3_settings) as bus:
+                # The gate records its rule as it starts, before any decision: the trainer's
+                # retention keeps what it has yet to decide on from the first version on.
+                view = await eventually(lambda: gate_view_of(bus), 30, "the gate's rule recorded")
+                assert view.decided == frozenset() and view.wait_s > 0
                 await evaluated(bus, run, 0, demo=0.5, drift=0.0)  # the base model's scores
 
                 # v1, committed but not yet evaluated: the engine stays on its base weights.
