@@ -1,0 +1,1 @@
+"""Environments for agent episodes, and the sandbox every one of their tool calls runs in."""
