@@ -14,9 +14,10 @@ BATCHES = "batches"
 CHECKPOINTS = "checkpoints"
 POLICY = "policy"
 EVALS = "evals"
+OUTCOMES = "outcomes"
 PROMOTIONS = "promotions"
 DEAD = "dead"
-STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, EVALS, PROMOTIONS, DEAD)
+STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, EVALS, PROMOTIONS, OUTCOMES, DEAD)
 
 # Consumer groups (stream -> group that consumes it).
 GROUP_JUDGE = "judge"
@@ -25,6 +26,7 @@ GROUP_TRAINER = "trainer"
 GROUP_ARCHIVE = "archive"  # the buffer's archiver, beside the trainer on `batches`
 GROUP_EVALUATOR = "evaluator"  # on `checkpoints`: enqueues one evaluation job per suite
 GROUP_GATE = "gate"  # the watcher's promotion gate, on `evals`
+GROUP_OUTCOMES = "buffer"  # the buffer, on `outcomes`: joined with the episodes' scored turns
 GROUPS = {TURNS: GROUP_JUDGE, SCORED: GROUP_BUFFER, BATCHES: GROUP_TRAINER}
 
 # The single field of a stream entry that holds the message JSON.
@@ -171,6 +173,31 @@ class Keys:
         """The parked ScoredTurn JSON of a force candidate."""
         return f"{self.prefix}:force-candidate:{turn_id}"
 
+    # The buffer's join of episode sessions (track 2) with their Outcome (episodes.py).
+    @property
+    def episode_sessions(self) -> str:
+        """Sorted set session id -> when to look at it next: episode sessions whose scored
+        turns are held for their Outcome (the deadline, now once it came, or a lease's end)."""
+        return f"{self.prefix}:episode-sessions"
+
+    def episode_turns(self, session_id: str) -> str:
+        """Hash turn id -> held ScoredTurn JSON of an episode session."""
+        return f"{self.prefix}:episode:{session_id}:turns"
+
+    def episode_outcome(self, session_id: str) -> str:
+        """An episode session's Outcome, as the buffer keeps it (JSON, with a TTL)."""
+        return f"{self.prefix}:episode:{session_id}:outcome"
+
+    def episode_group(self, group: str) -> str:
+        """Hash of an advantage group's outcomes: group index -> JSON {session, reward,
+        error}, and `first` (when its first outcome came: the group's wait starts then)."""
+        return f"{self.prefix}:episode-group:{group}"
+
+    def episode_group_stats(self, group: str) -> str:
+        """A group's statistics (JSON {mean, std, n, partial}), fixed by whoever first
+        settled it: every turn of the group is judged against the same numbers."""
+        return f"{self.prefix}:episode-group:{group}:stats"
+
     # -- evaluation and promotion ---------------------------------------------------------
     def eval_enqueued(self, job_id: str) -> str:
         """Set (NX) when an evaluation job id was enqueued: enqueuing twice runs it once."""
@@ -196,3 +223,22 @@ class Keys:
     def eval_queue(self) -> str:
         """The rq queue of evaluation jobs (one job = one suite on one version)."""
         return self.queue("eval")
+
+    # -- environments (track 2) ----------------------------------------------------------
+    @property
+    def outcomes(self) -> str:
+        return self.stream(OUTCOMES)
+
+    @property
+    def envs_queue(self) -> str:
+        """The rq queue of environment episodes (one job = one episode)."""
+        return self.queue("envs")
+
+    def episode_enqueued(self, job_id: str) -> str:
+        """Set (NX) when an episode job id was enqueued: enqueuing twice runs it once."""
+        return f"{self.prefix}:episode-enqueued:{job_id}"
+
+    def outcome_published(self, job_id: str) -> str:
+        """The session id whose Outcome was published for an episode job (SET NX with the
+        XADD, in one script): a rerun after a worker died never publishes a second one."""
+        return f"{self.prefix}:outcome-published:{job_id}"

@@ -317,6 +317,58 @@ class Promotion(Message):
     serving: int | None = None  # what the engine serves after the decision
 
 
+# Episode sessions (track 2) have session ids starting so: the buffer holds their scored
+# turns until the episode's Outcome arrives (an ordinary client's session never waits).
+EPISODE_SESSION_PREFIX = "env:"
+
+
+def episode_job_id(run: str, env: str, task_id: str, group: str, index: int) -> str:
+    """The deterministic id of an episode job (and of its Outcome): run, environment, task,
+    group and the episode's index in it. Enqueued twice, it runs once."""
+    return f"episode.{run}.{env}.{task_id}.{group}.{index}"
+
+
+def episode_session_id(job_id: str, attempt: int, nonce: str) -> str:
+    """The session id of one attempt at an episode (`X-Session-Id` of its requests). A
+    retried episode is a new session: the turns of an attempt that died never meet the
+    outcome of the one that finished."""
+    return f"{EPISODE_SESSION_PREFIX}{job_id}.a{attempt}.{nonce}"
+
+
+class Outcome(Message):
+    """How one environment episode ended. Its `id` is the episode's job id
+    (`episode_job_id`): a retried episode publishes the same id, deduplicated, and only
+    the attempt in `session_id` is joined with it. `error` set: the episode could not be
+    run to its end (the policy unreachable, the step budget's wall clock spent...) — its
+    turns are not trained, and the reason is counted."""
+
+    type: Literal["outcome"] = "outcome"
+    run: str
+    env: str
+    task_id: str
+    session_id: str
+    group: str  # the episodes of one task sampled together (advantage groups)
+    group_index: int = Field(0, ge=0)
+    group_size: int = Field(1, ge=1)
+    reward: float = Field(ge=-1.0, le=1.0)
+    passed: bool = False
+    details: dict[str, Any] = Field(default_factory=dict)
+    policy_versions: list[int] = Field(default_factory=list)  # every version that answered
+    steps: int = Field(0, ge=0)  # policy calls (turns) in the episode
+    wall_s: float = Field(0.0, ge=0)
+    attempt: int = Field(1, ge=1)
+    worker: str = ""
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _episode_session(self) -> Outcome:
+        if not self.session_id.startswith(EPISODE_SESSION_PREFIX):
+            raise ValueError(f"session_id must start with {EPISODE_SESSION_PREFIX!r}")
+        if self.group_index >= self.group_size:
+            raise ValueError(f"group_index {self.group_index} outside a group of {self.group_size}")
+        return self
+
+
 class DeadLetter(Message):
     """A message that failed `deliveries` times, with the last error. Never silently dropped."""
 
@@ -340,6 +392,7 @@ AnyMessage = Annotated[
     | PolicyLoaded
     | EvalResult
     | Promotion
+    | Outcome
     | DeadLetter,
     Field(discriminator="type"),
 ]
@@ -355,6 +408,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "policy_loaded": PolicyLoaded,
     "eval_result": EvalResult,
     "promotion": Promotion,
+    "outcome": Outcome,
     "dead_letter": DeadLetter,
 }
 

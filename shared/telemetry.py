@@ -80,7 +80,7 @@ def configure_logging(settings: LogSettings, service: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(settings.level)
     # Per-request access lines are noise at INFO; errors still come through.
-    for noisy in ("uvicorn.access", "httpx", "httpcore"):
+    for noisy in ("uvicorn.access", "httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -22,6 +22,7 @@ COMMANDS = (
     "services.ctl.up",
     "services.ctl.demo",
     "services.ctl.evals",
+    "services.ctl.envs",
 )
 
 

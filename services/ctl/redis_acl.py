@@ -24,6 +24,8 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | publish scored (bounded XADD) | `P:scored`, `P:shed:scored` |
 | | dead letters: XADD | `P:dead` (write only) |
 | buffer | consume group `buffer` (as the judge's) | `P:scored`, `P:done:buffer:*` |
+| | consume group `buffer` on outcomes (as the judge's) | `P:outcomes`, `P:done:buffer:*` |
+| | held episode turns and outcomes: the ledger's commands (below), + HGET HDEL HLEN ZRANGEBYSCORE | `P:episode-sessions`, `P:episode:*:turns`, `P:episode:*:outcome`, `P:episode-group:*` |
 | | consume groups `archive` and `trainer` (`GET /get_data`), + XAUTOCLAIM | `P:batches`, `P:done:archive:*`, `P:done:trainer:*` |
 | | publish batches (ledger script: EVALSHA XLEN XADD INCR) | `P:batches`, `P:shed:batches`, `P:batched:*` |
 | | publish imported turns (bounded XADD) | `P:turns`, `P:shed:turns` |
@@ -49,9 +51,13 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | enqueue evaluations (below), publish results: XADD | `P:evals` (write only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | | its rq worker on queue `Q` = `P-eval` (below) | `rq:…` of that queue only |
+| envs | publish outcomes once (script: EVALSHA GET XLEN XADD INCR SET) | `P:outcomes`, `P:shed:outcomes`, `P:outcome-published:*` |
+| | its rq worker on queue `Q` = `P-envs` (as the evaluator's, jobs `episode_2e…`) | `rq:…` of that queue only |
 | ctl | the operator (`nextstate status/tail/dlq/...`, `up`'s supervisor): every `@read` and `@write` command, transactions, EVALSHA | `P:*` |
-| | enqueue evaluations (`nextstate eval run`, below) | |
+| | enqueue evaluations (`nextstate eval run`, below) and episodes (`nextstate envs run`) | |
+| | `nextstate envs status`: LLEN ZCARD SMEMBERS | `rq:queue:Q`, `rq:wip|finished|failed:Q`, `rq:workers:Q` of `P-envs` (read only) |
 | keda | the judge autoscaler (KEDA redis-streams): XINFO GROUPS, XPENDING, XLEN | `P:turns` (read only) |
+| | the envs autoscaler (KEDA redis `listLength`): LLEN | `rq:queue:P-envs` (read only) |
 | default | admin: everything (`+@all ~* &*`); applies ACLs, nothing in the stack uses it | all |
 
 rq (3.x) keeps its own keys under `rq:`, outside the prefix. What the evaluator's rq use
@@ -95,7 +101,7 @@ from shared import keys as K
 from shared.keys import Keys
 
 ADMIN = "default"
-SERVICE_ROLES = ("collector", "judge", "buffer", "trainer", "watcher", "evaluator")
+SERVICE_ROLES = ("collector", "judge", "buffer", "trainer", "watcher", "evaluator", "envs")
 ROLES = (*SERVICE_ROLES, "ctl", "keda")
 USERS = (ADMIN, *ROLES)
 
@@ -113,13 +119,15 @@ CONSUME = ("xgroup|create", "xreadgroup", "xack", "xclaim", "xpending", "xinfo|g
 # A bounded publish (shared/streams.py `_BOUNDED_XADD`): XLEN, then XADD or INCR the shed count.
 PUBLISH = ("evalsha", "xlen", "xadd", "incr")
 
-# An rq worker of the evaluation queue (services/evaluator/worker.py), on its keys only.
+# An rq worker of one queue (shared/rqworker.py), on its keys only.
 RQ_WORKER = ("blmove", "lmove", "lrange", "lrem", "rpush", "lpush", "llen", "exists", "expire",
              "persist", "del", "get", "set", "hget", "hgetall", "hset", "hincrby", "hincrbyfloat",
              "sadd", "srem", "smembers", "zadd", "zrem", "zrange", "zrangebyscore",
              "zremrangebyscore", "zcard", "zscore", "xadd", "watch", "unwatch", "evalsha")
-# rq's id of an evaluation job starts so (shared/evaljobs.py `rq_job_id` of `eval.…`).
+# rq's id of an evaluation job starts so (shared/rqjobs.py `rq_job_id` of `eval.…`), an
+# episode's so (of `episode.…`).
 RQ_EVAL_JOB = "eval_2e*"
+RQ_EPISODE_JOB = "episode_2e*"
 RQ_REGISTRIES = ("wip", "finished", "failed", "deferred", "ready", "scheduled", "canceled")
 
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # as RedisSettings: no glob characters
@@ -164,25 +172,41 @@ def _dead(k: Keys) -> Grant:
     return Grant(("xadd",), _w(k.dead))
 
 
-def enqueue_evals(k: Keys) -> list[Grant]:
-    """Enqueue evaluation jobs (shared/evaljobs.py `enqueue_eval`)."""
-    queue = k.eval_queue
+def _enqueue(queue: str, guard: str, job: str) -> list[Grant]:
+    """Enqueue jobs `job` on `queue` with the guard keys `guard` (shared/rqjobs.py)."""
     return [
-        Grant(("set", "get", "del"), _rw(k.eval_enqueued("*"))),
+        Grant(("set", "get", "del"), _rw(guard)),
         Grant(("sadd",), _rw("rq:queues")),
         # rq's unique enqueue: one script, whose commands are checked like any other.
-        Grant(("evalsha", "exists", "hset", "expire", "rpush"), _rw(f"rq:job:{RQ_EVAL_JOB}", f"rq:queue:{queue}")),
+        Grant(("evalsha", "exists", "hset", "expire", "rpush"), _rw(f"rq:job:{job}", f"rq:queue:{queue}")),
     ]
 
 
-def rq_worker(k: Keys) -> Grant:
-    """An rq worker of the evaluation queue, named `<queue>.…`."""
-    q = k.eval_queue
+def enqueue_evals(k: Keys) -> list[Grant]:
+    """Enqueue evaluation jobs (shared/evaljobs.py `enqueue_eval`)."""
+    return _enqueue(k.eval_queue, k.eval_enqueued("*"), RQ_EVAL_JOB)
+
+
+def enqueue_episodes(k: Keys) -> list[Grant]:
+    """Enqueue episode jobs (shared/envjobs.py; `nextstate envs run`)."""
+    return _enqueue(k.envs_queue, k.episode_enqueued("*"), RQ_EPISODE_JOB)
+
+
+def envs_queue_status(k: Keys) -> Grant:
+    """`nextstate envs status`: read the envs queue's list, registries and workers."""
+    q = k.envs_queue
+    return Grant(("llen", "zcard", "smembers"),
+                 _r(f"rq:queue:{q}", *(f"rq:{r}:{q}" for r in ("wip", "finished", "failed")), f"rq:workers:{q}"))
+
+
+def rq_worker(k: Keys, queue: str | None = None, job: str = RQ_EVAL_JOB) -> Grant:
+    """An rq worker of `queue` (default the evaluation queue) running jobs `job`, named `<queue>.…`."""
+    q = queue or k.eval_queue
     return Grant(RQ_WORKER, (
         *_rw(f"rq:queue:{q}", f"rq:queue:{q}:intermediate*",
              *(f"rq:{r}:{q}" for r in RQ_REGISTRIES), f"rq:clean_registries:{q}", "rq:queues",
              "rq:workers", f"rq:workers:{q}", f"rq:worker:{q}.*",
-             *(f"rq:{kind}:{RQ_EVAL_JOB}" for kind in ("job", "job:", "results", "execution", "executions"))),
+             *(f"rq:{kind}:{job}" for kind in ("job", "job:", "results", "execution", "executions"))),
         *_r("rq:suspended"),
     ))
 
@@ -206,13 +230,17 @@ def grants(role: str, k: Keys) -> list[Grant]:
         return [
             *_consume(k, K.SCORED, K.GROUP_BUFFER),
             *_consume(k, K.BATCHES, K.GROUP_ARCHIVE, K.GROUP_TRAINER, extra=("xautoclaim",)),
+            # Episode outcomes (group `buffer`: its dedupe marks are granted with `scored`'s).
+            Grant(CONSUME, _rw(k.outcomes)),
             Grant(PUBLISH, _rw(k.batches, k.shed(k.batches), batched)),
             _publish(k, K.TURNS),
-            Grant(("evalsha", "hsetnx", "hincrby", "hexists", "hgetall", "sadd", "scard",
-                   "sismember", "expire", "set", "get", "del", "exists", "zadd", "zscore",
-                   "zrem", "zrange"),
+            Grant(("evalsha", "hsetnx", "hincrby", "hexists", "hget", "hgetall", "hset", "hdel",
+                   "hlen", "sadd", "scard", "sismember", "expire", "set", "get", "del", "exists",
+                   "zadd", "zscore", "zrem", "zrange", "zrangebyscore"),
                   _rw(k.session_samples("*"), k.session_decisions("*"), k.session_settled("*"),
-                      k.buffer_counts, k.force_candidates, k.force_candidate("*"), batched)),
+                      k.buffer_counts, k.force_candidates, k.force_candidate("*"), batched,
+                      k.episode_sessions, k.episode_turns("*"), k.episode_outcome("*"),
+                      k.episode_group("*"))),
             Grant(("set", "get"), _rw(k.run_owner)),
             Grant(("get",), _r(k.trainer_version)),
             _dead(k),
@@ -247,6 +275,16 @@ def grants(role: str, k: Keys) -> list[Grant]:
             *enqueue_evals(k),
             rq_worker(k),
         ]
+    if role == "envs":
+        out = k.outcomes
+        return [
+            # The exactly-once outcome publish (services/envs/outcomes.py): one script on the
+            # stream, its shed counter and the job's marker; GET the marker before an attempt.
+            Grant(("evalsha", "xlen", "xadd", "incr", "get", "set"),
+                  _rw(out, k.shed(out), k.outcome_published("*"))),
+            Grant(("get",), _r(k.outcome_published("*"))),
+            rq_worker(k, k.envs_queue, RQ_EPISODE_JOB),
+        ]
     if role in ("ctl", "keda"):
         return []
     raise ValueError(f"unknown Redis role {role!r}; one of {', '.join(USERS)}")
@@ -259,9 +297,10 @@ def _rules(user: str, k: Keys) -> list[str]:
         return [f"~{k.prefix}:*", "resetchannels", "-@all", "+@connection", "+@read", "+@write",
                 "+@transaction", "-@admin", "-@dangerous", "-@scripting", "-@pubsub",
                 "-scan", "-randomkey", "+evalsha", "+script|load", "+script|exists",
-                *(g.selector() for g in enqueue_evals(k))]
-    if user == "keda":
-        return [*_r(k.turns), *BASE, "+xinfo|groups", "+xpending", "+xlen"]
+                *(g.selector() for g in (*enqueue_evals(k), *enqueue_episodes(k), envs_queue_status(k)))]
+    if user == "keda":  # the judges' scaler (stream lag) and the envs workers' (rq queue length)
+        return [*_r(k.turns), *BASE, "+xinfo|groups", "+xpending", "+xlen",
+                Grant(("llen",), _r(f"rq:queue:{k.envs_queue}")).selector()]
     return [*BASE, *(g.selector() for g in grants(user, k))]
 
 

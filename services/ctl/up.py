@@ -7,19 +7,20 @@ write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
 judge ×N, buffer, trainer and watcher, and the evaluation side: a second engine on the
 same model that loads candidates (`eval-engine`) and the evaluator, which evaluates each
 committed version on it (suites `demo` and `drift`, plus `simulated-user` played by the
-judge model when NEXTSTATE_JUDGE__URL is set). Logs are prefixed with the service name;
-Ctrl-C stops everything.
+judge model when NEXTSTATE_JUDGE__URL is set); with `--envs P`, P environment workers
+(`envs-<i>`: rq episodes through the collector, `nextstate envs run`). Logs are prefixed
+with the service name; Ctrl-C stops everything.
 
 Degrade, never fall: Redis, the bucket, the engine and the collector are the serving
 path, and `up` fails if one of them cannot start. The training side (judges, buffer,
-trainer, watcher, evaluation engine, evaluator) may fail to start or keep crashing: it is
+trainer, watcher, evaluation engine, evaluator, envs workers) may fail to start or keep crashing: it is
 restarted with backoff,
 forever, and shown in `nextstate status` (the supervisor writes each process's state
 into the Redis hash `<prefix>:services`). A port taken by someone else between picking
 and binding it moves that service to another port before anything depends on it.
 
 Every consumer has a stable name, so a restarted one takes back its own pending entries
-at once: `judge-<i>`, `buffer`, `evaluator`, and the trainer's default `trainer-<run>`.
+at once: `judge-<i>`, `buffer`, `evaluator`, `envs-<i>`, and the trainer's default `trainer-<run>`.
 
 The Redis `up` starts has a password and one ACL user per service role
 (services/ctl/redis_acl.py): new random passwords each start, in `<home>/up/<run>/redis.acl`
@@ -69,7 +70,7 @@ from shared.runs import RunMismatch, RunRecord, record_for
 from shared.settings import Settings, load_settings
 
 PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "trainer": 9103,
-         "watcher": 9104, "eval-engine": 30001, "evaluator": 9105, "redis": 6390, "s3": 8333}
+         "watcher": 9104, "eval-engine": 30001, "evaluator": 9105, "envs": 9106, "redis": 6390, "s3": 8333}
 
 
 def register(sub: Any) -> None:
@@ -78,6 +79,8 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=None,
                    help=f"the OpenAI endpoint's port (default {PORTS['collector']}, or any free one)")
     p.add_argument("--judges", type=int, default=1, help="judge worker processes")
+    p.add_argument("--envs", type=int, default=0,
+                   help="environment worker processes: episodes run in parallel (`nextstate envs run`)")
     p.add_argument("--judge", default=None,
                    help="prm | rule | rule+prm | module:callable (default: prm when "
                         "NEXTSTATE_JUDGE__URL is set, else rule)")
@@ -307,6 +310,7 @@ class Stack:
             "NEXTSTATE_BUFFER__CONSUMER_NAME": "buffer",
             **self.bucket_role("buffer"),
         }, "/readyz", "NEXTSTATE_BUFFER__PORT", PORTS["buffer"]))
+        await self.environments()
         if a.no_train:
             return
         trainer_env = {  # its consumer keeps its default, stable name: trainer-<run>
@@ -330,6 +334,23 @@ class Stack:
                                           "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
         if not a.no_eval:
             await self.evaluation(m)
+
+    async def environments(self) -> None:
+        """`--envs P` environment workers (rq, one episode each at a time), agents of the
+        collector like any other; stable names envs-<i> (the outcomes' `worker`)."""
+        collector = self.url("collector", "/v1")
+        keys = os.environ.get("NEXTSTATE_COLLECTOR__API_KEYS", "").strip()
+        first = (json.loads(keys) if keys.startswith("[") else keys.split(","))[0].strip() if keys else ""
+        for i in range(self.args.envs):
+            env = {
+                "NEXTSTATE_ENVS__URL": collector,
+                "NEXTSTATE_ENVS__CONSUMER_NAME": f"envs-{i}",
+                "NEXTSTATE_ENVS__SANDBOX__ROOT": str(self.root / "sandboxes"),
+            }
+            if first:
+                env["NEXTSTATE_ENVS__API_KEY"] = first
+            await self.sup.start(self.service(f"envs-{i}", "services.envs", env, "/readyz",
+                                              "NEXTSTATE_ENVS__PORT", PORTS["envs"] + 10 * i))
 
     async def evaluation(self, m: str) -> None:
         """The evaluation engine (a second engine on the model, loading candidates; never

@@ -250,7 +250,7 @@ def test_prod_everywhere_with_no_default_credentials() -> None:
 def test_commands_are_real_entrypoints() -> None:
     found = {module for _, _, module in ours()}
     assert {"services.engine", "services.collector", "services.judge", "services.buffer",
-            "services.trainer", "services.watcher", "services.evaluator", "nextstate"} <= found
+            "services.trainer", "services.watcher", "services.evaluator", "services.envs", "nextstate"} <= found
     for module in found:
         assert module_entrypoint_exists(module), f"no entrypoint for {module}"
 
@@ -290,10 +290,11 @@ def test_third_party_images_are_pinned() -> None:
 
 
 def test_judge_scales() -> None:
-    judge = services()["judge"]
-    assert "container_name" not in judge
-    for port in judge.get("ports", []):
-        assert ":" not in str(port), f"judge publishes a fixed host port: {port}"
+    for name in ("judge", "envs"):  # `--scale judge=N`, `--scale envs=N`
+        svc = services()[name]
+        assert "container_name" not in svc
+        for port in svc.get("ports", []):
+            assert ":" not in str(port), f"{name} publishes a fixed host port: {port}"
     assert not any("container_name" in svc for name, svc, _ in ours())
 
 
@@ -307,6 +308,8 @@ def test_every_consumer_has_a_stable_name(monkeypatch: pytest.MonkeyPatch) -> No
     assert consumer_name(svcs["buffer"]["environment"]["NEXTSTATE_BUFFER__CONSUMER_NAME"], "buffer") == "buffer"
     evaluator = svcs["evaluator"]["environment"]["NEXTSTATE_EVAL__CONSUMER_NAME"]
     assert consumer_name(evaluator, "evaluator") == "evaluator-3f2a9c81b7d4"
+    envs = svcs["envs"]["environment"]["NEXTSTATE_ENVS__CONSUMER_NAME"]
+    assert consumer_name(envs, "envs") == "envs-3f2a9c81b7d4"
     for name in ("trainer-cpu", "trainer-gpu"):  # the default, trainer-<run>
         assert "NEXTSTATE_TRAINER__CONSUMER_NAME" not in svcs[name]["environment"]
     for name, svc, _ in ours():
@@ -409,7 +412,7 @@ def test_only_the_collector_is_published_beyond_loopback() -> None:
 
 
 @pytest.mark.parametrize("name", ["engine-cpu", "collector", "judge", "buffer", "trainer-cpu",
-                                  "trainer-gpu", "watcher", "eval-engine-cpu", "evaluator", "ctl"])
+                                  "trainer-gpu", "watcher", "eval-engine-cpu", "evaluator", "envs", "ctl"])
 def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     module = dict((n, m) for n, _, m in ours())[name]
     if module != "nextstate" and not module_entrypoint_exists(module):
@@ -428,7 +431,8 @@ def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.
 
 # Each service's own Redis ACL user (services/ctl/redis_acl.py).
 REDIS_ROLES = {"collector": "collector", "judge": "judge", "buffer": "buffer", "trainer-cpu": "trainer",
-               "trainer-gpu": "trainer", "watcher": "watcher", "evaluator": "evaluator", "ctl": "ctl"}
+               "trainer-gpu": "trainer", "watcher": "watcher", "evaluator": "evaluator", "envs": "envs",
+               "ctl": "ctl"}
 
 
 def test_a_typo_fails_the_field_check() -> None:

@@ -155,12 +155,12 @@ def test_probes_hit_healthz_and_readyz_on_the_configured_port() -> None:
 def test_commands_are_real_entrypoints() -> None:
     modules = {m for _, _, m in ours(base_docs())}
     assert modules == {f"services.{s}" for s in
-                       ("engine", "collector", "judge", "buffer", "trainer", "watcher", "evaluator")}
+                       ("engine", "collector", "judge", "buffer", "trainer", "watcher", "evaluator", "envs")}
     assert all(module_entrypoint_exists(m) for m in modules)
 
 
 @pytest.mark.parametrize("workload", ["engine", "collector", "judge", "buffer", "trainer", "watcher",
-                                      "evaluator", "eval-engine"])
+                                      "evaluator", "eval-engine", "envs"])
 def test_nextstate_variables_are_settings_fields(workload: str, monkeypatch: pytest.MonkeyPatch) -> None:
     docs = base_docs()
     _, c, module = next(x for x in ours(docs) if x[0] == workload)
@@ -359,7 +359,7 @@ def test_every_workload_gets_the_internal_token_and_sglang_checks_it() -> None:
 
 # Each service's own Redis ACL user (services/ctl/redis_acl.py); the engine has none.
 REDIS_ROLES = {"collector": "collector", "judge": "judge", "buffer": "buffer", "trainer": "trainer",
-               "watcher": "watcher", "evaluator": "evaluator"}
+               "watcher": "watcher", "evaluator": "evaluator", "envs": "envs"}
 
 
 def test_each_service_connects_to_redis_as_its_own_user() -> None:
@@ -399,6 +399,26 @@ def test_redis_has_the_acl_users_of_the_module() -> None:
         assert env[var] == secret[var]
     assert env["NEXTSTATE_REDIS__PREFIX"] == K.Keys().prefix
     assert env["REDISCLI_AUTH"] == secret["REDIS_PASSWORD"]  # the probes' redis-cli is the admin
+
+
+def test_keda_scales_the_envs_workers_on_the_queue_length() -> None:
+    """KEDA's redis `listLength` trigger on rq's list of the envs queue (`rq:queue:<name>`,
+    rq/queue.py `redis_queue_namespace_prefix`), read as the keda user."""
+    from rq import Queue
+
+    docs = base_docs()
+    scaled = by_kind(docs, "ScaledObject")["envs"]["spec"]
+    assert scaled["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "envs"}
+    envs = by_kind(docs, "Deployment")["envs"]
+    assert 1 <= scaled["minReplicaCount"] < scaled["maxReplicaCount"]
+    (t,) = scaled["triggers"]
+    meta = t["metadata"]
+    assert t["type"] == "redis" and int(meta["listLength"]) >= 1
+    assert meta["listName"] == Queue.redis_queue_namespace_prefix + K.Keys().envs_queue == "rq:queue:nextstate-envs"
+    env = container_env(envs["spec"]["template"]["spec"]["containers"][0], docs)
+    assert ":" in env[meta["addressFromEnv"]] and env[meta["usernameFromEnv"]] == "keda"
+    assert t["authenticationRef"]["name"] in by_kind(docs, "TriggerAuthentication")
+    assert f"(%R~{meta['listName']} +llen)" in redis_acl.rules("keda", "nextstate")
 
 
 def test_keda_reads_the_backlog_as_the_keda_user() -> None:

@@ -31,8 +31,10 @@ def test_service_roles_get_no_admin_and_no_key_outside_the_prefix() -> None:
         assert "-@admin" in rules and "-@dangerous" in rules, role
         assert "resetchannels" in rules and "-@all" in rules, role
         for pattern in re.findall(r"(?:%R|%W)?~(\S+?)(?=[ )]|$)", text):
-            # rq's keys (outside any prefix): the evaluator's worker, and enqueuing (ctl too).
-            rq_ok = role in ("evaluator", "ctl") and pattern.startswith("rq:")
+            # rq's keys (outside any prefix): the evaluator's and envs' workers, enqueuing (ctl
+            # too), and the envs queue's length (keda's scaler).
+            rq_ok = (role in ("evaluator", "envs", "ctl") and pattern.startswith("rq:")) or (
+                role == "keda" and pattern == "rq:queue:exp-envs")
             assert pattern.startswith("exp:") or rq_ok, (role, pattern)
         assert "+eval" not in rules and "+@scripting" not in text
     assert redis_acl.rules(redis_acl.ADMIN, "exp") == ["~*", "&*", "+@all"]
@@ -48,6 +50,7 @@ def test_what_each_role_may_touch() -> None:
     assert {"policy", "policy-version", "watcher-state", "refused-versions"} <= keys_of("watcher")
     assert not {"turns", "batches", "checkpoints"} & keys_of("watcher")
     assert keys_of("keda") == {"turns"}
+    assert "turns" not in keys_of("envs") and "scored" not in keys_of("envs")
     assert redis_acl.rules("ctl", "exp")[0] == "~exp:*"
     # The watcher's only DEL is on policy-version: a selector of its own.
     (selector,) = [r for r in redis_acl.rules("watcher", "exp") if "+del" in r]
@@ -70,8 +73,26 @@ def test_the_evaluator_touches_its_queues_keys_only() -> None:
     assert "%R~rq:suspended" in text  # `rq suspend` is the operator's
     # Enqueuing is the operator's too (`nextstate eval run`), and nobody else's.
     assert "(~rq:job:eval_2e* ~rq:queue:exp-eval +evalsha +exists +hset +expire +rpush)" in redis_acl.rules("ctl", "exp")
-    for role in ("collector", "judge", "buffer", "trainer", "watcher", "keda"):
+    for role in ("collector", "judge", "buffer", "trainer", "watcher"):
         assert "rq:" not in " ".join(redis_acl.rules(role, "exp")), role
+    assert "(%R~rq:queue:exp-envs +llen)" in redis_acl.rules("keda", "exp")  # KEDA's listLength, only
+
+
+def test_the_envs_workers_touch_their_queue_and_the_outcomes_only() -> None:
+    """The outcomes stream (published once: the script's keys and its marker), rq's keys of
+    the envs queue `exp-envs` and episode jobs (`episode_2e…`); nothing of the loop's data."""
+    rules = redis_acl.rules("envs", "exp")
+    text = " ".join(rules)
+    ours = set(re.findall(r"~exp:(\S+?)(?=[ )]|$)", text))
+    assert ours == {"outcomes", "shed:outcomes", "outcome-published:*"}
+    rq = set(re.findall(r"~(rq:\S+?)(?=[ )]|$)", text))
+    allowed = re.compile(r"rq:(queues|workers|suspended|[a-z_]+:exp-envs(:intermediate\*|\.\*)?|"
+                         r"(job:?|results|execution|executions):episode_2e\*)")
+    assert rq and all(allowed.fullmatch(k) for k in rq), rq
+    assert "eval" not in " ".join(k for k in rq) and "+info" not in text and "+@pubsub" not in text
+    # Enqueuing episodes and reading the queue's state are the operator's (`nextstate envs run/status`).
+    ctl = redis_acl.rules("ctl", "exp")
+    assert "(~rq:job:episode_2e* ~rq:queue:exp-envs +evalsha +exists +hset +expire +rpush)" in ctl
 
 
 def test_the_docstring_table_has_every_role() -> None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from shared.errors import MalformedMessage
 from shared.schemas import (
+    EPISODE_SESSION_PREFIX,
     MESSAGE_TYPES,
     CheckpointFile,
     CheckpointManifest,
     CheckpointPublished,
     DeadLetter,
     EvalResult,
+    Outcome,
     PolicyLoaded,
     Promotion,
     ScoredTurn,
@@ -20,6 +23,8 @@ from shared.schemas import (
     TrainSample,
     Turn,
     Vote,
+    episode_job_id,
+    episode_session_id,
     eval_job_id,
     parse_message,
 )
@@ -59,6 +64,10 @@ EXAMPLES = [
     EvalResult(id=eval_job_id("r", 3, "demo"), run="r", version=3, suite="demo", score=0.8, n=2,
                ci_low=0.3, ci_high=0.97, tasks=[TaskResult(task="q1", score=1.0, passed=True)]),
     Promotion(run="r", version=3, decision="refused", reasons=["drift 2.1 > 0.5"], scores={"drift": 2.1}),
+    Outcome(id=episode_job_id("r", "toolcall", "t7", "g1", 2), run="r", env="toolcall", task_id="t7",
+            session_id=episode_session_id(episode_job_id("r", "toolcall", "t7", "g1", 2), 1, "x9"),
+            group="g1", group_index=2, group_size=4, reward=1.0, passed=True, details={"answer": "42"},
+            policy_versions=[3, 4], steps=3, wall_s=2.5),
     DeadLetter(stream="turns", group="judge", entry_id="1-0", data="{}", error="boom", deliveries=5),
 ]
 
@@ -135,3 +144,13 @@ def test_empty_batch_rejected() -> None:
 def test_bad_sha_rejected() -> None:
     with pytest.raises(ValueError):
         CheckpointFile(path="x", size=1, sha256="xyz")
+
+
+def test_outcome_is_an_episode_session() -> None:
+    job = episode_job_id("r", "swe", "t1", "g", 0)
+    assert episode_session_id(job, 2, "n").startswith(EPISODE_SESSION_PREFIX)
+    with pytest.raises(ValidationError, match="session_id"):
+        Outcome(run="r", env="swe", task_id="t1", session_id="user-session", group="g", reward=0.0)
+    with pytest.raises(ValidationError, match="group_index"):
+        Outcome(run="r", env="swe", task_id="t1", session_id=episode_session_id(job, 1, "n"), group="g",
+                group_index=1, group_size=1, reward=0.0)

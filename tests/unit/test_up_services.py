@@ -68,6 +68,20 @@ async def test_dependents_are_built_from_the_final_port(tmp_path: Path) -> None:
     assert procs["collector"].port == 18000 and procs["collector"].rebind is None
 
 
+async def test_envs_workers(tmp_path: Path) -> None:
+    """`--envs 2`: two environment workers on the collector, with stable names and ports of
+    their own; none by default."""
+    procs = await launched(tmp_path / "a", "--envs", "2", "--no-train")
+    assert [n for n in procs if n.startswith("envs")] == ["envs-0", "envs-1"]
+    collector = f"http://127.0.0.1:{procs['collector'].port}/v1"
+    for i in (0, 1):
+        env = procs[f"envs-{i}"].env
+        assert env["NEXTSTATE_ENVS__URL"] == collector and env["NEXTSTATE_ENVS__CONSUMER_NAME"] == f"envs-{i}"
+        assert procs[f"envs-{i}"].argv[-2:] == ["-m", "services.envs"] and not procs[f"envs-{i}"].serving_path
+    assert procs["envs-0"].port != procs["envs-1"].port
+    assert not any(n.startswith("envs") for n in await launched(tmp_path / "b"))
+
+
 async def test_gate_and_no_eval_flags(tmp_path: Path) -> None:
     gated = await launched(tmp_path / "a", "--gate")
     assert gated["watcher"].env["NEXTSTATE_GATE__ENABLED"] == "true"

@@ -1,0 +1,252 @@
+"""The asyncio half of an environment worker, on a thread of its own beside the rq worker.
+
+rq's worker owns the main thread (its signal handlers and job timeouts need it). This
+thread runs one event loop for the life of the process, holding what every episode uses,
+opened once: the policy client (`AsyncOpenAI` on the collector: one pooled HTTP client),
+the Redis bus (the outcome publisher), and the ops port (/healthz, /readyz: Redis and
+the policy endpoint's /models, /metrics).
+
+A job (services/envs/jobs.py, in the main thread) hands its episode to this loop with
+`run_job` and waits; once a stop was requested it waits `shutdown_grace_s` more, then
+cancels the episode and raises `HandedBack` (the worker requeues the job, no retry spent).
+
+One attempt of an episode job:
+1. its outcome was published already (a worker died after publishing): return at once;
+2. a fresh environment and `Sandbox`, a new session id (`episode_session_id(job id,
+   attempt, nonce)`: a rerun never continues a dead attempt's session), the agent loop
+   (services/envs/episode.py), the verdict;
+3. the `Outcome` (id = the job id), published once (services/envs/outcomes.py).
+An attempt that fails (the policy unreachable after the client's retries, the sandbox,
+the environment's own bug, the job timeout) raises, and rq runs the job again while it
+has retries; the last attempt publishes an Outcome with `error` set and reward 0 (the
+buffer never trains it), then fails the job — so every enqueued episode ends with exactly
+one Outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from typing import Any
+
+from openai import AsyncOpenAI
+from prometheus_client import Counter, Histogram
+
+from services.envs.base import EnvironmentNotFound, Task, load_environment, load_tasks
+from services.envs.episode import run_episode
+from services.envs.outcomes import OutcomePublisher
+from services.envs.sandbox import Sandbox
+from services.envs.settings import EnvsSettings
+from shared.errors import NextstateError
+from shared.schemas import Outcome, episode_job_id, episode_session_id
+from shared.streams import Bus
+from shared.telemetry import embedded_server, ops_app
+
+log = logging.getLogger(__name__)
+
+EPISODES = Counter("nextstate_envs_episodes_total", "Episode attempts by how they ended",
+                   ["env", "outcome"])  # passed | failed | error | retried | duplicate | handed_back
+EPISODE_SECONDS = Histogram("nextstate_envs_episode_seconds", "Wall time of an episode", ["env"],
+                            buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+
+
+class HandedBack(NextstateError):
+    """The worker is stopping: the episode was cancelled and goes back to the queue."""
+
+
+def resolve_task(env: str, ref: dict[str, Any]) -> Task:
+    """The task a job's reference names (shared/envjobs.py `task_json` / `task_pick`)."""
+    if "task" in ref:
+        return Task.model_validate(ref["task"])
+    pick = ref["pick"]
+    tasks = load_tasks(env, pick["split"], pick["n"], pick["seed"])
+    if not tasks:
+        raise EnvironmentNotFound(f"environment {env!r} has no {pick['split']} tasks")
+    return tasks[int(pick["position"]) % len(tasks)]
+
+
+class Runtime:
+    def __init__(self, settings: EnvsSettings, worker: str) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.loop = asyncio.new_event_loop()
+        self.bus: Bus | None = None
+        self.publisher: OutcomePublisher | None = None
+        self.client: AsyncOpenAI | None = None
+        self.error: BaseException | None = None
+        self.stop_requested_at: float | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="envs-loop", daemon=True)
+        self._ready = threading.Event()
+        self._finish = asyncio.Event()
+
+    # -- life ---------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Open the resources and the ops port; raise if that fails."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"the envs worker's event loop did not start within {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+
+    def request_stop(self) -> None:
+        """The running episode gets `shutdown_grace_s`. Safe in a signal handler."""
+        if self.stop_requested_at is None:
+            self.stop_requested_at = time.monotonic()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """After the worker returned: stop the ops port, close the resources, join."""
+        self.request_stop()
+        with contextlib.suppress(RuntimeError):  # the loop is gone already
+            self.loop.call_soon_threadsafe(self._finish.set)
+        self._thread.join(timeout_s)
+
+    def _thread_main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as exc:  # SystemExit too: uvicorn's answer to a port it cannot bind
+            self.error = exc
+            log.error("the envs worker's event loop failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            if self._ready.is_set():  # the worker runs: stop it, the process exits 1
+                os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            self._ready.set()
+            self.loop.close()
+
+    async def _main(self) -> None:
+        settings, cfg = self.settings, self.settings.envs
+        client = AsyncOpenAI(
+            base_url=cfg.url, api_key=cfg.api_key.get_secret_value(), max_retries=cfg.request_retries,
+            timeout=cfg.request_timeout_s,
+        )
+        async with Bus(settings) as bus, client:
+            self.bus, self.client = bus, client
+            self.publisher = OutcomePublisher(bus)
+
+            async def policy_ok() -> None:
+                await client.with_options(max_retries=0, timeout=5.0).models.list()
+
+            server = embedded_server(ops_app({"redis": bus.ping, "policy": policy_ok}, settings.internal),
+                                     cfg.host, cfg.port)
+            ops = asyncio.create_task(server.serve(), name="ops")
+            while not server.started:
+                if ops.done():
+                    await ops  # raises (SystemExit from a port that would not bind)
+                    raise RuntimeError(f"the ops port {cfg.host}:{cfg.port} stopped at start")
+                await asyncio.sleep(0.02)
+            self._ready.set()
+            log.info("envs worker started", extra={"policy": cfg.url, "worker": self.worker})
+            finish = asyncio.create_task(self._finish.wait())
+            await asyncio.wait({finish, ops}, return_when=asyncio.FIRST_COMPLETED)
+            if not finish.done():
+                finish.cancel()
+                raise RuntimeError(f"the ops port stopped: {ops.exception()!r}")
+            server.should_exit = True
+            await asyncio.gather(ops, return_exceptions=True)
+
+    # -- jobs (called from the worker's thread) ----------------------------------------------------
+    def run_job(self, *, run: str, env: str, task_id: str, task: dict[str, Any], group: str, index: int,
+                group_size: int, attempt: int, last_attempt: bool) -> dict[str, Any]:
+        """Run one attempt on the loop and wait; hand it back when the worker stops."""
+        if self.publisher is None or self.error is not None:
+            raise RuntimeError("the envs worker's event loop is not running")
+        fut = asyncio.run_coroutine_threadsafe(
+            self.attempt(run, env, episode_job_id(run, env, task_id, group, index), task_id, task, group, index,
+                         group_size, attempt, last_attempt),
+            self.loop)
+        try:
+            while True:
+                try:
+                    return fut.result(timeout=0.2)
+                except concurrent.futures.TimeoutError:
+                    if self._hand_back_due():
+                        EPISODES.labels(env, "handed_back").inc()
+                        raise HandedBack("the worker is stopping: the episode goes back to the queue") from None
+        except BaseException as exc:
+            if last_attempt and not isinstance(exc, HandedBack) and not fut.done():
+                # rq's job timeout (or a cold stop) interrupted the last attempt: say so once.
+                fut.cancel()
+                self._publish_error(run, env, episode_job_id(run, env, task_id, group, index), task_id, group,
+                                    index, group_size, attempt, exc)
+            raise
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def _publish_error(self, run: str, env: str, job_id: str, task_id: str, group: str, index: int,
+                       group_size: int, attempt: int, exc: BaseException) -> None:
+        if self.stop_requested_at is not None:
+            return  # a stop, not a failure: the job goes back to the queue
+        outcome = self._outcome(run, env, job_id, task_id, group, index, group_size, attempt,
+                                episode_session_id(job_id, attempt, secrets.token_hex(4)),
+                                error=f"{type(exc).__name__}: {exc}")
+        assert self.publisher is not None
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.publisher.publish_once(outcome), self.loop).result(timeout=10)
+
+    def _hand_back_due(self) -> bool:
+        at = self.stop_requested_at
+        return at is not None and time.monotonic() - at > self.settings.envs.shutdown_grace_s
+
+    # -- one attempt (on the loop) -------------------------------------------------------------
+    def _outcome(self, run: str, env: str, job_id: str, task_id: str, group: str, index: int, group_size: int,
+                 attempt: int, session_id: str, **fields: Any) -> Outcome:
+        return Outcome(id=job_id, run=run, env=env, task_id=task_id,
+                       session_id=session_id, group=group, group_index=index, group_size=group_size,
+                       attempt=attempt, worker=self.worker, reward=fields.pop("reward", 0.0), **fields)
+
+    async def attempt(self, run: str, env_name: str, job_id: str, task_id: str, ref: dict[str, Any], group: str,
+                      index: int, group_size: int, attempt: int, last_attempt: bool) -> dict[str, Any]:
+        assert self.publisher is not None and self.client is not None
+        cfg = self.settings.envs
+        before = await self.publisher.published(job_id)
+        if before is not None:
+            EPISODES.labels(env_name, "duplicate").inc()
+            log.info("outcome published before: nothing to run", extra={"job": job_id, "session": before})
+            return {"id": job_id, "session_id": before, "duplicate": True}
+        session_id = episode_session_id(job_id, attempt, secrets.token_hex(4))
+        t0 = time.monotonic()
+        try:
+            task = resolve_task(env_name, ref)
+            task_id = task.id
+            env = load_environment(env_name)
+            try:
+                with Sandbox(cfg.sandbox) as sandbox:
+                    result = await run_episode(
+                        self.client, env, task, sandbox, session_id, model=cfg.model, max_steps=cfg.max_steps,
+                        max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+            finally:
+                env.close()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("episode attempt failed", extra={"job": job_id, "attempt": attempt,
+                                                         "error": f"{type(exc).__name__}: {exc}"})
+            if not last_attempt:
+                EPISODES.labels(env_name, "retried").inc()
+                raise  # rq runs the job again (a new attempt, a new session)
+            EPISODES.labels(env_name, "error").inc()
+            outcome = self._outcome(run, env_name, job_id, task_id, group, index, group_size, attempt, session_id,
+                                    error=f"{type(exc).__name__}: {exc}", wall_s=time.monotonic() - t0)
+            await self.publisher.publish_once(outcome)
+            raise
+        verdict = result.verdict
+        outcome = self._outcome(
+            run, env_name, job_id, task.id, group, index, group_size, attempt, session_id, reward=verdict.reward,
+            passed=verdict.passed, details={**verdict.details, "ended": result.ended},
+            policy_versions=result.policy_versions, steps=result.steps, wall_s=result.wall_s)
+        published, _ = await self.publisher.publish_once(outcome)
+        EPISODE_SECONDS.labels(env_name).observe(result.wall_s)
+        EPISODES.labels(env_name, ("passed" if verdict.passed else "failed") if published else "duplicate").inc()
+        log.info("episode done", extra={"job": job_id, "session": session_id, "reward": verdict.reward,
+                                        "steps": result.steps, "ended": result.ended, "published": published})
+        return {"id": job_id, "session_id": session_id, "reward": verdict.reward, "passed": verdict.passed,
+                "steps": result.steps}
+
