@@ -1,1 +1,2 @@
-"""The buffer: scored turns → training samples and batches, archive, pull API, imports."""
+"""The buffer: scored turns → training samples and batches (episodes joined with their
+outcomes), archive, pull API, imports."""

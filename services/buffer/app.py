@@ -1,16 +1,18 @@
 """The buffer's FastAPI app: the `scored` consumer in the lifespan, the HTTP API beside it.
 
 Lifespan start: Redis bus, (tokenizer for imports), the batcher, the consumer group
-`buffer` on `scored`, the final-turn loop of the at-least-one rule (finals.py), and,
-when archiving, the bucket and the `archive` group on `batches` — each a background
-task. Shutdown is the graceful order: stop reading `scored` and claiming final turns;
-publish partial batches at once, so in-flight handlers finish and their entries are
-acknowledged; stop the batcher (whatever is still unpublished stays unacknowledged and
-is redelivered); stop reading `batches`, seal and upload the archive (batches not
-uploaded stay pending for the next start); close the clients.
+`buffer` on `scored`, the final-turn loop of the at-least-one rule (finals.py), the
+consumer group `buffer` on `outcomes` and the sweep that joins episodes' held turns with
+their Outcome (episodes.py), and, when archiving, the bucket and the `archive` group on
+`batches` — each a background task. Shutdown is the graceful order: stop reading
+`scored` and `outcomes`, claiming final turns and episode sessions; publish partial
+batches at once, so in-flight handlers finish and their entries are acknowledged (held
+episode turns stay in Redis); stop the batcher (whatever is still unpublished stays
+unacknowledged and is redelivered); stop reading `batches`, seal and upload the archive
+(batches not uploaded stay pending for the next start); close the clients.
 
 Routes: `GET /get_data` (pull.py), `POST /receive` (seeds.py), `/healthz`, `/readyz`
-(Redis answers, the consumer runs, the bucket answers when archiving), `/metrics`.
+(Redis answers, both consumers run, the bucket answers when archiving), `/metrics`.
 `/get_data`, `/receive` and `/metrics` need the internal token (shared/auth.py; /metrics
 not when NEXTSTATE_INTERNAL__METRICS_PUBLIC): one hands out training data, the other
 injects it. Errors use OpenAI's error shape: `{"error": {"message", "type", "code"}}`.
@@ -35,6 +37,7 @@ from redis.exceptions import RedisError
 from services.buffer import metrics as M
 from services.buffer.archive import Archiver
 from services.buffer.batcher import Batcher
+from services.buffer.episodes import Episodes
 from services.buffer.finals import Finals
 from services.buffer.intake import Intake
 from services.buffer.ledger import Ledger, parse_version
@@ -45,7 +48,7 @@ from shared import keys as K
 from shared.auth import Guard, InternalAuth
 from shared.consumer import Consumer, consumer_name
 from shared.errors import BusError, MalformedMessage
-from shared.schemas import Message, ScoredTurn, TrainBatch
+from shared.schemas import Message, Outcome, ScoredTurn, TrainBatch
 from shared.store import AsyncBucket
 from shared.streams import Bus
 from shared.telemetry import add_ops_routes
@@ -121,16 +124,22 @@ def build_app(settings: BufferSettings) -> FastAPI:
                 ledger.publish_batch, size=cfg.batch_size, max_wait_s=cfg.max_wait_s,
                 retry_max_s=cfg.publish_retry_max_s,
             )
-            intake = Intake(ledger, batcher, cfg)
+            episodes = Episodes(ledger, batcher, cfg)
+            intake = Intake(ledger, batcher, cfg, hold_episode=episodes.hold)
             finals = Finals(ledger, batcher, cfg)
             name = consumer_name(cfg.consumer_name, "buffer")
             loop = ConsumerLoop(lambda: Consumer(
                 bus, K.SCORED, K.GROUP_BUFFER, ScoredTurn, intake.handle,
                 name=name, concurrency=cfg.in_flight,
             ))
+            outcome_loop = ConsumerLoop(lambda: Consumer(
+                bus, K.OUTCOMES, K.GROUP_OUTCOMES, Outcome, episodes.handle_outcome, name=name,
+            ))
             batch_task = asyncio.create_task(batcher.run(), name="batcher")
             consume_task = asyncio.create_task(loop.run(), name="consumer")
+            outcome_task = asyncio.create_task(outcome_loop.run(), name="outcomes-consumer")
             finals_task = asyncio.create_task(finals.run(), name="finals")
+            episodes_task = asyncio.create_task(episodes.run(), name="episodes")
             archiving: tuple[Archiver, ConsumerLoop[TrainBatch], asyncio.Task[None], asyncio.Task[None]] | None = None
             if cfg.archive:
                 rt.bucket = AsyncBucket(settings.bucket, max_workers=2)
@@ -148,7 +157,7 @@ def build_app(settings: BufferSettings) -> FastAPI:
                              asyncio.create_task(archiver.run(), name="archive"),
                              asyncio.create_task(archive_loop.run(), name="archive-consumer"))
             app.state.rt = rt
-            app.state.consumers = loop
+            app.state.consumers = {K.SCORED: loop, K.OUTCOMES: outcome_loop}
             log.info("buffer started", extra={
                 "consumer": name, "batch_size": cfg.batch_size, "mode": cfg.mode,
                 "max_staleness": cfg.max_staleness, "archive": cfg.archive,
@@ -157,11 +166,14 @@ def build_app(settings: BufferSettings) -> FastAPI:
                 yield
             finally:
                 loop.stop()
+                outcome_loop.stop()
                 finals.stop()
+                episodes.stop()
                 batcher.drain()
                 grace = settings.streams.shutdown_grace_s
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.gather(consume_task, finals_task), grace + 5)
+                    await asyncio.wait_for(
+                        asyncio.gather(consume_task, outcome_task, finals_task, episodes_task), grace + 5)
                 batcher.stop()
                 await batch_task
                 if archiving is not None:
@@ -182,8 +194,9 @@ def build_app(settings: BufferSettings) -> FastAPI:
         await rt().bus.ping()
 
     async def consumer_ok() -> None:
-        if not app.state.consumers.running:
-            raise RuntimeError("the scored consumer is not running")
+        for stream, consumer in app.state.consumers.items():
+            if not consumer.running:
+                raise RuntimeError(f"the {stream} consumer is not running")
 
     checks: dict[str, Callable[[], Awaitable[object]]] = {"redis": redis_ok, "consumer": consumer_ok}
     if cfg.archive:

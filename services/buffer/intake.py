@@ -5,11 +5,13 @@ For each ScoredTurn (see rules.py for the rules themselves):
 1. classify it; a turn that can never be a sample (side, no tokens) → decided, done;
 2. already in a published batch (its turn id is marked) or waiting in this buffer's
    open batch → a duplicate, done (the waiting case waits for that batch);
-3. eligible and no more than `max_staleness` versions behind `keys.trainer_version` →
+3. an environment episode's turn (session id `env:...`) is held until its Outcome
+   (episodes.py decides it then, with its outcome reward); done;
+4. eligible and no more than `max_staleness` versions behind `keys.trainer_version` →
    recorded as kept in its session's sample set and handed to the batcher; the handler
    returns — and the consumer acknowledges the entry — only once that sample's batch
    is published;
-4. otherwise (excluded by a rule, or stale): a session's *final* turn is parked as a
+5. otherwise (excluded by a rule, or stale): a session's *final* turn is parked as a
    force candidate (finals.py decides it once the session's earlier turns are decided);
    any other turn is decided as excluded, with its reason (`stale` for stale ones).
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from services.buffer import metrics as M
 from services.buffer.batcher import Batcher
@@ -29,7 +32,7 @@ from services.buffer.ledger import NOT_KEPT, Ledger
 from services.buffer.rules import build_sample, classify, staleness
 from services.buffer.settings import BufferConfig
 from shared.consumer import Delivery
-from shared.schemas import ScoredTurn
+from shared.schemas import EPISODE_SESSION_PREFIX, ScoredTurn
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +40,14 @@ STALE = "stale"
 
 
 class Intake:
-    def __init__(self, ledger: Ledger, batcher: Batcher, cfg: BufferConfig) -> None:
+    def __init__(
+        self, ledger: Ledger, batcher: Batcher, cfg: BufferConfig,
+        hold_episode: Callable[[ScoredTurn], Awaitable[None]] | None = None,
+    ) -> None:
         self.ledger = ledger
         self.batcher = batcher
         self.cfg = cfg
+        self.hold_episode = hold_episode  # episodes.Episodes.hold; None: no episode join
 
     async def handle(self, scored: ScoredTurn, delivery: Delivery) -> None:
         turn = scored.turn
@@ -57,6 +64,9 @@ class Intake:
         if batched:
             M.DUPLICATES.inc()
             log.debug("turn already batched", extra={"turn_id": turn.id, "entry": delivery.entry_id})
+            return
+        if self.hold_episode is not None and turn.session_id.startswith(EPISODE_SESSION_PREFIX):
+            await self.hold_episode(scored)
             return
         behind = staleness(scored, trainer_version)
         if behind is not None:

@@ -184,6 +184,11 @@ class Ledger:
         await self._exclude(keys=self._decision_keys(session_id),
                             args=[turn_id, index, reason, self.session_ttl_s])
 
+    async def decision(self, session_id: str, turn_id: str) -> str | None:
+        """What was decided for a turn (kept, forced, or why not), None if nothing yet."""
+        got = await self.bus.redis.hget(self.keys.session_decisions(session_id), turn_id)
+        return None if got is None else str(got)
+
     async def park(self, session_id: str, turn_id: str, data: str, due_at: float) -> bool:
         """Park a force candidate until `due_at`. False: the turn is decided already."""
         k = self.keys

@@ -23,6 +23,17 @@ PARKED = Counter(
     "nextstate_buffer_parked_final_turns_total",
     "Final turns parked until their session's earlier turns are decided (at-least-one rule)",
 )
+EPISODE_TURNS_HELD = Counter(
+    "nextstate_buffer_episode_turns_held_total", "Episode turns held until their episode's Outcome"
+)
+OUTCOMES = Counter(
+    "nextstate_buffer_outcomes_total", "Episode Outcomes received (failed: with an error)", ["kind"]
+)
+GROUPS = Counter(
+    "nextstate_buffer_episode_groups_total",
+    "Advantage groups settled: complete, partial (its wait ran out), too_small (< 2 outcomes)",
+    ["kind"],
+)
 DUPLICATES = Counter(
     "nextstate_buffer_duplicate_turns_total", "Scored turns whose turn id was already batched"
 )

@@ -27,6 +27,9 @@ log-probs for it, so it is on-policy by construction. Staleness is decided *befo
 at-least-one rule: a session's stale final turn may still be its forced sample, and
 then it is an anchor only (reward 0, no teacher log-probs: A = 0, only the KL term
 counts), so a stale gradient never trains.
+
+Environment episodes' turns (episodes.py) are rewarded by their Outcome instead
+(rewards.py); `signal_missing` and staleness apply to them, the at-least-one rule does not.
 """
 
 from __future__ import annotations
@@ -67,14 +70,20 @@ def classify(scored: ScoredTurn, mode: Mode) -> Verdict:
         return Verdict(False, "no_tokens", final, buildable=False)
     if not scored.judged:
         return Verdict(False, "no_next_state", final, buildable=True)
-    has_teacher = scored.teacher_logprobs is not None
-    if mode == "rl" and scored.reward == 0:
-        return Verdict(False, "zero_reward", final, buildable=True)
+    reason = signal_missing(scored.reward, scored.teacher_logprobs is not None, mode)
+    return Verdict(reason is None, reason, final, buildable=True)
+
+
+def signal_missing(reward: float, has_teacher: bool, mode: Mode) -> str | None:
+    """Why a sample with this reward (and teacher log-probs or not) teaches nothing in
+    `mode`, or None when it does."""
+    if mode == "rl" and reward == 0:
+        return "zero_reward"
     if mode == "opd" and not has_teacher:
-        return Verdict(False, "no_teacher", final, buildable=True)
-    if mode == "combine" and scored.reward == 0 and not has_teacher:
-        return Verdict(False, "zero_reward_no_teacher", final, buildable=True)
-    return Verdict(True, None, final, buildable=True)
+        return "no_teacher"
+    if mode == "combine" and reward == 0 and not has_teacher:
+        return "zero_reward_no_teacher"
+    return None
 
 
 def staleness(scored: ScoredTurn, trainer_version: int | None) -> int | None:
@@ -86,13 +95,17 @@ def staleness(scored: ScoredTurn, trainer_version: int | None) -> int | None:
 
 
 def build_sample(
-    scored: ScoredTurn, mode: Mode, *, forced: bool = False, anchor_only: bool = False
+    scored: ScoredTurn, mode: Mode, *, forced: bool = False, anchor_only: bool = False,
+    reward: float | None = None,
 ) -> TrainSample:
     """The TrainSample of a turn; its id is the turn id (so batches dedupe by turn).
 
     `anchor_only` (a stale turn kept by the at-least-one rule): reward 0 and no teacher
     log-probs, so its advantage is 0 in every mode and only the KL term trains.
+    `reward`: instead of the judge's (an episode's turn: rewards.py).
     """
+    if reward is None:
+        reward = float(scored.reward)
     turn = scored.turn
     n = len(turn.response_ids)
     return TrainSample(
@@ -102,7 +115,7 @@ def build_sample(
         tokens=[*turn.prompt_ids, *turn.response_ids],
         response_length=n,
         loss_mask=[1] * n,
-        reward=0.0 if anchor_only else float(scored.reward),
+        reward=0.0 if anchor_only else reward,
         rollout_logprobs=turn.response_logprobs,
         teacher_logprobs=None if anchor_only else scored.teacher_logprobs,
         policy_version=turn.policy_version,

@@ -8,18 +8,46 @@
     NEXTSTATE_BUFFER__MODE=rl                rl | opd | combine: which turns become samples
     NEXTSTATE_BUFFER__MIN_SAMPLES_PER_SESSION=1   at-least-one rule (0 turns it off)
     NEXTSTATE_BUFFER__FORCE_SETTLE_S=300     a final turn waits for its session's earlier turns at most this long
+    NEXTSTATE_BUFFER__OUTCOME_WAIT_S=600     an episode's turns wait this long for its Outcome (and a group for
+                                             its K outcomes); then missing = dropped, counted `outcome_missing`
+    NEXTSTATE_BUFFER__OUTCOME_MODE=outcome   outcome | outcome+prm: an episode turn's reward (below)
+    NEXTSTATE_BUFFER__PRM_WEIGHT=0.5         w of the judge's per-turn score in outcome+prm
+    NEXTSTATE_BUFFER__GROUP_ADVANTAGE=raw    raw | group_mean | group_norm: the outcome term (below)
+    NEXTSTATE_BUFFER__GROUP_EPS=1e-6         eps of group_norm
     NEXTSTATE_BUFFER__ARCHIVE=true           gzip JSONL of every published sample in the bucket
     NEXTSTATE_BUFFER__ARCHIVE_ROLL_SAMPLES=1000   NEXTSTATE_BUFFER__ARCHIVE_ROLL_S=300
     NEXTSTATE_BUFFER__HOST=127.0.0.1         NEXTSTATE_BUFFER__PORT=8200
     NEXTSTATE_BUFFER__TOKENIZER=/models/policy    HF folder whose chat template tokenizes imports
+
+The reward of an environment episode's turn (session id `env:...`, episodes.py): with
+R the episode's `Outcome.reward` and, for group advantages, mean and std over the
+rewards of the outcomes of its group (`Outcome.group`; failed episodes excluded; std
+with Bessel's correction),
+
+    raw         A = R
+    group_mean  A = R - mean
+    group_norm  A = (R - mean) / (std + eps)
+
+    outcome      reward = A                     (the judge's score is ignored)
+    outcome+prm  reward = A + prm_weight * s    (s: the judge's -1/0/1 for that turn)
+
+Every main turn of the episode with a next state gets it (the env worker gives every step
+one: the tool results, or the verdict after a final answer); its closing request and
+side turns never train. Then the usual rules: staleness, and in rl mode a reward of exactly 0 is
+excluded (`zero_reward`); the at-least-one rule does not apply to episodes.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 from shared.schemas import Mode
 from shared.settings import Settings
+
+OutcomeMode = Literal["outcome", "outcome+prm"]
+GroupAdvantage = Literal["raw", "group_mean", "group_norm"]
 
 
 class BufferConfig(BaseModel):
@@ -49,6 +77,15 @@ class BufferConfig(BaseModel):
     consumer_name: str | None = None
     publish_retry_max_s: float = Field(5.0, gt=0, description="backoff cap when batches is full")
 
+    # Environment episodes (track 2): the join of their turns with their Outcome.
+    outcome_wait_s: float = Field(600.0, gt=0, description="longest wait for an episode's outcome or its group")
+    outcome_mode: OutcomeMode = "outcome"
+    prm_weight: float = Field(0.5, description="w of the judge's per-turn score in outcome+prm")
+    group_advantage: GroupAdvantage = "raw"
+    group_eps: float = Field(1e-6, gt=0, description="eps in group_norm's (R - mean) / (std + eps)")
+    # Claims of held episode sessions are leases of force_lease_s, sweeps look at force_scan.
+    outcome_sweep_s: float = Field(0.25, gt=0, description="how often held episode sessions are checked")
+
     archive: bool = True
     archive_roll_samples: int = Field(1000, ge=1, description="samples per archive object")
     archive_roll_s: float = Field(300.0, gt=0, description="seal an archive object after this")
@@ -76,6 +113,12 @@ class BufferConfig(BaseModel):
     def force_lease_s(self) -> float:
         """How long a claimed final turn is held: long enough for its batch to publish."""
         return self.force_lease if self.force_lease is not None else self.max_wait_s + 60.0
+
+    @property
+    def outcome_ttl_s(self) -> int:
+        """How long an Outcome and its group are kept: its group's wait, then the bound
+        again for turns that come after it."""
+        return int(2 * self.outcome_wait_s) + 60
 
     @property
     def in_flight(self) -> int:

@@ -5,7 +5,9 @@ not acked), lag (not yet delivered), consumers and how long each has been idle; 
 dead-letter count. Then what the rest of the stack reports through Redis: the version
 the engine *really* serves (the watcher checks it every pass) beside the one it should
 serve and the trainer's newest, flagged when they disagree; checkpoints refused; turns
-waiting for their next state; what the buffer decided, per rule; the promotion gate
+waiting for their next state; what the buffer decided, per rule (episode turns too:
+`outcome_missing`, `episode_failed`, `group_too_small`; `group_partial` counts groups),
+and the episode sessions it holds for their outcome; the promotion gate
 (what it serves, the last decision, the newest score per suite); and, under `nextstate
 up`, each supervised process (restarts, crash loops).
 A stage is named *stalled* when it has work (lag or pending) and nothing was acked
@@ -49,11 +51,12 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     pipe.hgetall(keys.services)
     pipe.hgetall(keys.buffer_counts)
     pipe.zcard(keys.force_candidates)
+    pipe.zcard(keys.episode_sessions)
     pipe.zcard(keys.pending_deadlines)
     pipe.hmget(keys.gate_state, GATE_FIELDS)
     pipe.xrevrange(keys.promotions, count=1)
     pipe.xrevrange(keys.evals, count=50)
-    watcher, refused, services, counts, parked, waiting, gate, promos, evals = await pipe.execute()
+    watcher, refused, services, counts, parked, episodes, waiting, gate, promos, evals = await pipe.execute()
     return {
         "prefix": keys.prefix,
         "streams": streams,
@@ -64,7 +67,7 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "refused_versions": {v: _json(r) for v, r in sorted(refused.items(), key=_version_order)},
         "services": {name: _json(r) for name, r in sorted(services.items())},
         "buffer": {"decisions": {k: int(v) for k, v in sorted(counts.items())},
-                   "final_turns_waiting": int(parked)},
+                   "final_turns_waiting": int(parked), "episodes_waiting": int(episodes)},
         "turns_waiting_next_state": int(waiting),
         "gate": gate_snapshot(dict(zip(GATE_FIELDS, gate, strict=True)), promos, evals, bus.settings.run),
     }
@@ -169,12 +172,14 @@ def render_services(snap: dict[str, Any]) -> list[str]:
 def render_buffer(snap: dict[str, Any]) -> list[str]:
     b = snap.get("buffer") or {}
     decisions = b.get("decisions") or {}
-    if not decisions and not b.get("final_turns_waiting"):
+    if not decisions and not b.get("final_turns_waiting") and not b.get("episodes_waiting"):
         return []
     parts = [f"{k} {v}" for k, v in decisions.items()]
     line = "buffer decisions: " + (", ".join(parts) if parts else "none")
     if b.get("final_turns_waiting"):
         line += f"   final turns waiting for their session: {b['final_turns_waiting']}"
+    if b.get("episodes_waiting"):
+        line += f"   episodes waiting for their outcome: {b['episodes_waiting']}"
     return [line]
 
 

@@ -14,7 +14,7 @@ from services.buffer.archive import decode
 from services.ctl.infra import free_port
 from shared import keys as K
 from shared.checkpoints import samples_prefix
-from shared.schemas import TrainBatch, TrainSample
+from shared.schemas import Outcome, TrainBatch, TrainSample
 from shared.settings import Settings
 from shared.store import Bucket
 from shared.streams import Bus
@@ -85,6 +85,35 @@ async def test_killed_mid_batch_and_restarted_every_sample_once(
     ids = [s.id for b in got for s in b.samples]
     assert sorted(ids) == sorted(t.turn.id for t in turns)  # each sample in exactly one batch
     assert [len(b.samples) for b in got] == [8]
+
+
+async def test_killed_while_holding_episode_turns_the_batch_comes_out_once(
+    env: dict[str, str], bus: Bus, procs: list[ServiceProcess],
+) -> None:
+    """Held turns live in Redis: a buffer SIGKILLed while they wait for their Outcome
+    loses none, and after the restart the episode is batched once."""
+    penv, url = process_env(env, batch_size=8, max_wait_s=0.3, consumer_name="buffer-stable")
+    first = start(procs, penv, url)
+    turns = [scored_turn("env:k", 0, reward=1), scored_turn("env:k", 1, reward=-1),
+             scored_turn("env:k", 2, final=True)]
+    for t in turns:
+        await bus.publish(K.SCORED, t)
+    await eventually(lambda: group_done(bus), what="the turns held and acked")
+    assert await bus.redis.hlen(bus.keys.episode_turns("env:k")) == 3
+    first.kill()
+    outcome = Outcome(id="episode.k", run="r", env="echo", task_id="t", session_id="env:k",
+                      group="g", reward=0.5)
+    await bus.publish(K.OUTCOMES, outcome)
+    await bus.publish(K.SCORED, turns[1])  # a redelivered copy on top
+    start(procs, penv, url)
+    got = await eventually(lambda: _len(samples(bus), 2), timeout=20, what="the episode batched")
+    await eventually(lambda: group_done(bus), what="the copy handled")
+    await eventually(lambda: group_done(bus, K.OUTCOMES, K.GROUP_OUTCOMES), what="the outcome handled")
+    await asyncio.sleep(0.5)  # a second batch would show up now
+    got = await samples(bus)
+    assert sorted((s.turn_index, s.reward) for s in got) == [(0, 0.5), (1, 0.5)]  # not the closing turn
+    assert len(await batches(bus)) == 1
+    assert await bus.redis.zcard(bus.keys.episode_sessions) == 0
 
 
 async def test_sigterm_publishes_the_open_batch_then_exits(
@@ -218,5 +247,6 @@ async def _is(got: Any, want: Any) -> bool:
     return bool(await got == want)
 
 
-async def _len(got: Any, n: int) -> bool:
-    return len(await got) >= n
+async def _len(got: Any, n: int) -> Any:
+    items = await got
+    return items if len(items) >= n else None

@@ -42,7 +42,7 @@ from shared import keys as K
 from shared.chat import PromptCache
 from shared.consumer import Consumer, Delivery
 from shared.errors import BusError
-from shared.schemas import CheckpointPublished, PolicyLoaded, ScoredTurn, TrainBatch, Turn
+from shared.schemas import CheckpointPublished, Outcome, PolicyLoaded, ScoredTurn, TrainBatch, Turn
 from shared.settings import Settings
 from shared.streams import Bus
 from tests.integration.test_buffer import buffer_settings, running, scored_turn
@@ -267,25 +267,36 @@ async def test_buffer_app_runs_as_the_buffer_user(acl: Acl) -> None:
     judge, trainer, buffer, k = acl.bus("judge"), acl.bus("trainer"), acl.bus("buffer"), acl.keys
     admin = acl.bus(redis_acl.ADMIN).redis
     await trainer.redis.set(k.trainer_version, 3)
-    bs = buffer_settings(acl.settings("buffer"), batch_size=16, max_wait_s=0.2, force_settle_s=60)
+    bs = buffer_settings(acl.settings("buffer"), batch_size=16, max_wait_s=0.2, force_settle_s=60,
+                         group_advantage="group_mean")
     async with running(bs) as client:
         await judge.publish(K.SCORED, scored_turn("A", 0, reward=1, policy_version=3))
         await judge.publish(K.SCORED, scored_turn("F", 1, final=True, policy_version=3))  # parked...
         await judge.publish(K.SCORED, scored_turn("F", 0, reward=0, policy_version=3))  # excluded
+        # Two episodes of one group: their turns held, joined with their outcomes.
+        envs = acl.bus(redis_acl.ADMIN)  # whoever publishes outcomes: not the buffer's concern
+        for i, reward in enumerate((1.0, -1.0)):
+            await judge.publish(K.SCORED, scored_turn(f"env:{i}", 0, reward=1, policy_version=3))
+            await envs.publish(K.OUTCOMES, Outcome(
+                id=f"episode.{i}", run="r", env="echo", task_id="t", session_id=f"env:{i}",
+                group="g", group_index=i, group_size=2, reward=reward))
         await eventually(lambda: acked(admin, k.scored, K.GROUP_BUFFER), what="all scored turns handled")
+        await eventually(lambda: acked(admin, k.outcomes, K.GROUP_OUTCOMES), what="the outcomes handled")
         await eventually(lambda: _eq(admin.zcard(k.force_candidates), 0), what="...then forced")
+        await eventually(lambda: _eq(admin.zcard(k.episode_sessions), 0), what="episodes decided")
         pulled: list[TrainBatch] = []
 
         async def pull() -> bool:  # GET /get_data: the pull trainers' `trainer` group
             resp = await client.get("/get_data", params={"n": 8})
             assert resp.status_code == 200, resp.text
             pulled.extend(TrainBatch.model_validate(b) for b in resp.json()["batches"])
-            return sum(len(b.samples) for b in pulled) >= 2
+            return sum(len(b.samples) for b in pulled) >= 4
 
         await eventually(pull, what="the batches, pulled through /get_data")
-        assert sorted((s.session_id, s.forced) for b in pulled for s in b.samples) == [("A", False), ("F", True)]
+        assert sorted((s.session_id, s.forced, s.reward) for b in pulled for s in b.samples) == [
+            ("A", False, 1.0), ("F", True, 0.0), ("env:0", False, 1.0), ("env:1", False, -1.0)]
         counts = await admin.hgetall(k.buffer_counts)
-        assert counts == {"kept": "1", "forced": "1", "zero_reward": "1"}
+        assert counts == {"kept": "3", "forced": "1", "zero_reward": "1"}
         assert json.loads(await admin.get(k.run_owner))["run"] == f"run-{acl.prefix}"
 
     # The archive's group on `batches`, as the buffer's second consumer.
