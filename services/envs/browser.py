@@ -40,9 +40,10 @@ from services.envs.base import (
     opening,
     pick,
 )
-from services.envs.browser_driver import CHROMIUM_ENV, Browser, chromium_binary, site_path
+from services.envs.browser_driver import Browser, site_path
 from services.envs.browser_site import Site, check_goal
 from services.envs.sandbox import Sandbox
+from shared.chromium import CHROMIUM_ENV, chromium_binary
 from shared.errors import NextstateError
 
 __all__ = ["BrowserEnv", "BrowserUnavailable", "chromium_binary"]

@@ -20,9 +20,7 @@ moment, so the next read sees the result.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -35,8 +33,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-CHROMIUM_ENV = "NEXTSTATE_ENVS__CHROMIUM"
-CHROMIUM_NAMES = ("chromium", "chromium-browser")
 ACTION_TIMEOUT_MS = 3_000
 NAVIGATION_TIMEOUT_MS = 5_000
 QUIET_S = 0.06  # the page has settled after this long without a request in flight
@@ -90,15 +86,6 @@ ELEMENTS_JS = r"""
 """
 
 OPTIONS_JS = "el => el.tagName === 'SELECT' ? Array.from(el.options).map(o => [o.value, o.text]) : null"
-
-
-def chromium_binary() -> str | None:
-    """The Chromium to drive: NEXTSTATE_ENVS__CHROMIUM if set, else the first of
-    chromium, chromium-browser on the PATH (Debian's package: /usr/bin/chromium)."""
-    override = os.environ.get(CHROMIUM_ENV, "").strip()
-    if override:
-        return override if os.path.isfile(override) and os.access(override, os.X_OK) else None
-    return next((found for name in CHROMIUM_NAMES if (found := shutil.which(name))), None)
 
 
 def describe(element: dict[str, Any]) -> str:
