@@ -191,8 +191,13 @@ async def kill_engine_and_watch_it_get_its_policy_back(f: Faults) -> None:
     f.recovery["engine"]["engine_up_to_restored_s"] = restored - engine_up
     # The watcher's poll interval plus one reload of a tiny model (it is on local disk).
     assert restored - engine_up <= POLL_S + 15, f.recovery["engine"]
-    with f.r() as r:
-        assert r.get(f.keys.policy_version) == str(f.serving())  # status reports the real one
+    # Status reports the real version: the watcher records it right after the engine
+    # confirms a load (a load may land between reading one and the other: read both again).
+    def recorded() -> bool:
+        with f.r() as r:
+            return r.get(f.keys.policy_version) == str(f.serving())
+
+    await until(recorded, 10, "the policy-version key agreeing with the engine")
 
 
 async def corrupt_the_newest_checkpoint_and_kill_the_trainer(f: Faults) -> None:
