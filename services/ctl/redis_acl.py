@@ -75,7 +75,7 @@ as exactly that (`Q` the eval queue `P-eval`, `J` an evaluation job's rq id `eva
   (`rq:worker:Q.*`), and the jobs' keys (`rq:job:J…`, `rq:job::J…`, `rq:results:J`,
   `rq:execution:J:…`, `rq:executions:J`); `rq:suspended` read only.
 - not INFO (shared/evaljobs.py learns the server version from HELLO), not Pub/Sub, not
-  the rate-limit and job-group registries (services/evaluator/worker.py skips them); CLIENT
+  the rate-limit and job-group registries (shared/rqworker.py skips them); CLIENT
   SETNAME/INFO are `@connection`.
 
 Three ways to put the users in a Redis: an aclfile loaded at start (`aclfile`,

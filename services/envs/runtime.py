@@ -26,13 +26,9 @@ one Outcome.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import os
 import secrets
-import signal
-import threading
 import time
 from typing import Any
 
@@ -45,6 +41,7 @@ from services.envs.outcomes import OutcomePublisher
 from services.envs.sandbox import Sandbox
 from services.envs.settings import EnvsSettings
 from shared.errors import NextstateError
+from shared.jobloop import JobLoop
 from shared.schemas import Outcome, episode_job_id, episode_session_id
 from shared.streams import Bus
 from shared.telemetry import embedded_server, ops_app
@@ -72,55 +69,16 @@ def resolve_task(env: str, ref: dict[str, Any]) -> Task:
     return tasks[int(pick["position"]) % len(tasks)]
 
 
-class Runtime:
+class Runtime(JobLoop):
     def __init__(self, settings: EnvsSettings, worker: str) -> None:
+        super().__init__("envs worker", settings.envs.shutdown_grace_s)
         self.settings = settings
         self.worker = worker
-        self.loop = asyncio.new_event_loop()
         self.bus: Bus | None = None
         self.publisher: OutcomePublisher | None = None
         self.client: AsyncOpenAI | None = None
-        self.error: BaseException | None = None
-        self.stop_requested_at: float | None = None
-        self._thread = threading.Thread(target=self._thread_main, name="envs-loop", daemon=True)
-        self._ready = threading.Event()
-        self._finish = asyncio.Event()
 
-    # -- life ---------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 60.0) -> None:
-        """Open the resources and the ops port; raise if that fails."""
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise RuntimeError(f"the envs worker's event loop did not start within {timeout_s}s")
-        if self.error is not None:
-            raise self.error
-
-    def request_stop(self) -> None:
-        """The running episode gets `shutdown_grace_s`. Safe in a signal handler."""
-        if self.stop_requested_at is None:
-            self.stop_requested_at = time.monotonic()
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """After the worker returned: stop the ops port, close the resources, join."""
-        self.request_stop()
-        with contextlib.suppress(RuntimeError):  # the loop is gone already
-            self.loop.call_soon_threadsafe(self._finish.set)
-        self._thread.join(timeout_s)
-
-    def _thread_main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._main())
-        except BaseException as exc:  # SystemExit too: uvicorn's answer to a port it cannot bind
-            self.error = exc
-            log.error("the envs worker's event loop failed", extra={"error": f"{type(exc).__name__}: {exc}"})
-            if self._ready.is_set():  # the worker runs: stop it, the process exits 1
-                os.kill(os.getpid(), signal.SIGTERM)
-        finally:
-            self._ready.set()
-            self.loop.close()
-
-    async def _main(self) -> None:
+    async def main(self) -> None:
         settings, cfg = self.settings, self.settings.envs
         client = AsyncOpenAI(
             base_url=cfg.url, api_key=cfg.api_key.get_secret_value(), max_retries=cfg.request_retries,
@@ -141,9 +99,9 @@ class Runtime:
                     await ops  # raises (SystemExit from a port that would not bind)
                     raise RuntimeError(f"the ops port {cfg.host}:{cfg.port} stopped at start")
                 await asyncio.sleep(0.02)
-            self._ready.set()
+            self.ready()
             log.info("envs worker started", extra={"policy": cfg.url, "worker": self.worker})
-            finish = asyncio.create_task(self._finish.wait())
+            finish = asyncio.create_task(self.finished())
             await asyncio.wait({finish, ops}, return_when=asyncio.FIRST_COMPLETED)
             if not finish.done():
                 finish.cancel()
@@ -155,30 +113,20 @@ class Runtime:
     def run_job(self, *, run: str, env: str, task_id: str, task: dict[str, Any], group: str, index: int,
                 group_size: int, attempt: int, last_attempt: bool) -> dict[str, Any]:
         """Run one attempt on the loop and wait; hand it back when the worker stops."""
-        if self.publisher is None or self.error is not None:
+        if self.publisher is None:
             raise RuntimeError("the envs worker's event loop is not running")
-        fut = asyncio.run_coroutine_threadsafe(
-            self.attempt(run, env, episode_job_id(run, env, task_id, group, index), task_id, task, group, index,
-                         group_size, attempt, last_attempt),
-            self.loop)
-        try:
-            while True:
-                try:
-                    return fut.result(timeout=0.2)
-                except concurrent.futures.TimeoutError:
-                    if self._hand_back_due():
-                        EPISODES.labels(env, "handed_back").inc()
-                        raise HandedBack("the worker is stopping: the episode goes back to the queue") from None
-        except BaseException as exc:
-            if last_attempt and not isinstance(exc, HandedBack) and not fut.done():
-                # rq's job timeout (or a cold stop) interrupted the last attempt: say so once.
-                fut.cancel()
-                self._publish_error(run, env, episode_job_id(run, env, task_id, group, index), task_id, group,
-                                    index, group_size, attempt, exc)
-            raise
-        finally:
-            if not fut.done():
-                fut.cancel()
+        job_id = episode_job_id(run, env, task_id, group, index)
+
+        def handed_back() -> HandedBack:
+            EPISODES.labels(env, "handed_back").inc()
+            return HandedBack("the worker is stopping: the episode goes back to the queue")
+
+        def interrupted(exc: BaseException) -> None:
+            if last_attempt:  # rq's job timeout (or a cold stop) ended the last attempt: say so once
+                self._publish_error(run, env, job_id, task_id, group, index, group_size, attempt, exc)
+
+        return self.wait(self.attempt(run, env, job_id, task_id, task, group, index, group_size, attempt,
+                                      last_attempt), handed_back, interrupted)
 
     def _publish_error(self, run: str, env: str, job_id: str, task_id: str, group: str, index: int,
                        group_size: int, attempt: int, exc: BaseException) -> None:
@@ -190,10 +138,6 @@ class Runtime:
         assert self.publisher is not None
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self.publisher.publish_once(outcome), self.loop).result(timeout=10)
-
-    def _hand_back_due(self) -> bool:
-        at = self.stop_requested_at
-        return at is not None and time.monotonic() - at > self.settings.envs.shutdown_grace_s
 
     # -- one attempt (on the loop) -------------------------------------------------------------
     def _outcome(self, run: str, env: str, job_id: str, task_id: str, group: str, index: int, group_size: int,

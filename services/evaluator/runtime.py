@@ -18,13 +18,7 @@ process sends itself SIGTERM: the worker stops and `python -m services.evaluator
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
-import os
-import signal
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +32,7 @@ from shared.consumer import Consumer, Delivery
 from shared.engine_client import make_engine_client
 from shared.errors import NextstateError
 from shared.evaljobs import enqueue_eval
+from shared.jobloop import JobLoop
 from shared.schemas import CheckpointPublished
 from shared.store import AsyncBucket
 from shared.streams import Bus
@@ -50,60 +45,22 @@ class HandedBack(NextstateError):
     """The worker is stopping: the evaluation was cancelled and goes back to the queue."""
 
 
-class Runtime:
+class Runtime(JobLoop):
     def __init__(self, settings: EvalSettings, resolve: Callable[[str], Suite], rq: redis.Redis, consumer: str,
                  worker: str) -> None:
+        super().__init__("evaluator", settings.eval.shutdown_grace_s)
         self.settings = settings
         self.resolve = resolve  # suite name -> suite (services.evaluator.suites.resolve)
         self.rq = rq  # the worker's sync client: the dispatcher enqueues with it (thread-safe)
         self.consumer = consumer
         self.worker = worker
-        self.loop = asyncio.new_event_loop()
         self.evaluator: Evaluator | None = None
-        self.error: BaseException | None = None
-        self.stop_requested_at: float | None = None
-        self._thread = threading.Thread(target=self._thread_main, name="evaluator-loop", daemon=True)
-        self._ready = threading.Event()
         self._stop_dispatch = asyncio.Event()
-        self._finish = asyncio.Event()
 
-    # -- life ---------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 60.0) -> None:
-        """Open the resources, start the dispatcher and the ops port; raise if that fails."""
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise RuntimeError(f"the evaluator's event loop did not start within {timeout_s}s")
-        if self.error is not None:
-            raise self.error
+    def on_stop(self) -> None:
+        self._stop_dispatch.set()  # stop dispatching; the running job gets its grace
 
-    def request_stop(self) -> None:
-        """Stop dispatching; the running job gets `shutdown_grace_s`. Safe in a signal handler."""
-        if self.stop_requested_at is None:
-            self.stop_requested_at = time.monotonic()
-        with contextlib.suppress(RuntimeError):  # the loop is gone already
-            self.loop.call_soon_threadsafe(self._stop_dispatch.set)
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """After the worker returned: stop the ops port, close the resources, join."""
-        self.request_stop()
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self._finish.set)
-        self._thread.join(timeout_s)
-
-    def _thread_main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._main())
-        except BaseException as exc:  # SystemExit too: uvicorn's answer to a port it cannot bind
-            self.error = exc
-            log.error("the evaluator's event loop failed", extra={"error": f"{type(exc).__name__}: {exc}"})
-            if self._ready.is_set():  # the worker runs: stop it, the process exits 1
-                os.kill(os.getpid(), signal.SIGTERM)
-        finally:
-            self._ready.set()
-            self.loop.close()
-
-    async def _main(self) -> None:
+    async def main(self) -> None:
         settings, cfg = self.settings, self.settings.eval
         cfg.local_dir.mkdir(parents=True, exist_ok=True)
         engine = make_engine_client(cfg.engine_kind, cfg.engine_url, update_timeout=cfg.job_timeout_s,
@@ -126,7 +83,7 @@ class Runtime:
             consumer = Consumer(bus, K.CHECKPOINTS, K.GROUP_EVALUATOR, CheckpointPublished,
                                 self._dispatch, name=self.consumer)
             dispatcher = asyncio.create_task(consumer.run(), name="dispatcher")
-            self._ready.set()
+            self.ready()
             log.info("evaluator started", extra={"engine": cfg.engine_url, "suites": cfg.suites,
                                                  "consumer": self.consumer, "worker": self.worker})
             stop = asyncio.create_task(self._stop_dispatch.wait())
@@ -137,7 +94,7 @@ class Runtime:
                 stop.cancel()
                 failed = ops if ops.done() else dispatcher
                 raise RuntimeError(f"{failed.get_name()} stopped: {failed.exception()!r}")
-            await self._finish.wait()  # jobs may still need the resources until the worker returns
+            await self.finished()  # jobs may still need the resources until the worker returns
             server.should_exit = True
             await asyncio.gather(ops, return_exceptions=True)
 
@@ -154,29 +111,18 @@ class Runtime:
     def run_job(self, job_id: str, run: str, version: int, suite: str, samples: int | None) -> dict[str, Any]:
         """Evaluate on the loop and wait; count how the job ended."""
         evaluator = self.evaluator
-        if evaluator is None or self.error is not None:
+        if evaluator is None:
             raise RuntimeError("the evaluator's event loop is not running")
-        fut = asyncio.run_coroutine_threadsafe(
-            evaluator.evaluate(job_id, run, version, suite, samples), self.loop)
         outcome = "failed"
         try:
-            while True:
-                try:
-                    result = fut.result(timeout=0.2)
-                except concurrent.futures.TimeoutError:
-                    if self._hand_back_due():
-                        outcome = "handed_back"
-                        raise HandedBack(f"the worker is stopping: {job_id} goes back to the queue") from None
-                    continue
-                outcome = "ok"
-                return {"id": result.id, "score": result.score, "n": result.n}
+            result = self.wait(evaluator.evaluate(job_id, run, version, suite, samples), lambda: HandedBack(
+                f"the worker is stopping: {job_id} goes back to the queue"))
+            outcome = "ok"
+            return {"id": result.id, "score": result.score, "n": result.n}
+        except HandedBack:
+            outcome = "handed_back"
+            raise
         finally:
-            if not fut.done():
-                fut.cancel()
             if outcome == "failed" and self.stop_requested_at is not None:
                 outcome = "handed_back"  # a job interrupted by a cold stop
             JOBS.labels(suite, outcome).inc()
-
-    def _hand_back_due(self) -> bool:
-        at = self.stop_requested_at
-        return at is not None and time.monotonic() - at > self.settings.eval.shutdown_grace_s

@@ -30,7 +30,7 @@
     NEXTSTATE_EVAL__HOST=127.0.0.1  NEXTSTATE_EVAL__PORT=9105   (/healthz /readyz /metrics)
 
 A worker whose process dies mid-job (SIGKILL, OOM, a lost node) leaves its job to rq, which
-runs it again (with a retry) once it counts as abandoned (services/evaluator/worker.py;
+runs it again (with a retry) once it counts as abandoned (shared/rqworker.py;
 whole seconds):
 
     NEXTSTATE_EVAL__HEARTBEAT_S=10               a busy worker heartbeats its job this often

@@ -2,7 +2,7 @@
 
 As that user, the evaluator's own code runs: the dispatcher (a consumer of `checkpoints`
 in group `evaluator`, enqueuing through shared/evaljobs.py), results published on
-`evals`, dead letters, and its rq worker (services/evaluator/worker.py) through every
+`evals`, dead letters, and its rq worker (shared/rqworker.py) through every
 path rq takes — a job that succeeds, one that fails and is retried, and one whose worker
 is SIGKILLed mid-job, requeued by another worker's maintenance and run again. Then what
 the role must not do is refused (NOPERM): other streams, other rq queues and jobs, INFO,
@@ -30,10 +30,10 @@ from rq.job import JobStatus
 
 from services.ctl import redis_acl
 from services.evaluator import jobs
-from services.evaluator.worker import EvalWorker
 from shared import keys as K
 from shared.consumer import Consumer, Delivery
 from shared.evaljobs import enqueue_eval, job_id_for, rq_connection, rq_job_id
+from shared.rqworker import RqWorker as EvalWorker
 from shared.schemas import CheckpointPublished, EvalResult
 from tests.integration.test_redis_acl import DENIED, Acl, acked, acl, acl_port, denied  # noqa: F401  (fixtures)
 from tests.support.servers import REPO, wait_until
@@ -132,7 +132,7 @@ async def test_the_evaluator_dispatches_runs_jobs_and_publishes_results(acl: Acl
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
         from services.evaluator import jobs
-        from services.evaluator.worker import EvalWorker
+        from shared.rqworker import RqWorker as EvalWorker
         from shared.evaljobs import rq_connection
 
         class Hangs:

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from services.evaluator.settings import EvalSettings
-from services.evaluator.worker import worker_ttl
 from shared.errors import SettingsError
 from shared.evaljobs import JOB_FUNCTION, job_id_for, result_key, rq_job_id
+from shared.rqworker import worker_ttl
 from shared.schemas import eval_job_id
 from shared.settings import load_settings
 from tests.support.servers import REPO
