@@ -31,6 +31,7 @@ from shared.settings import BucketSettings
 from shared.store import Bucket
 from tests.support.load import Load
 from tests.support.upstack import NEXTSTATE, UpStack
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -47,16 +48,6 @@ SETTINGS = {
     "NEXTSTATE_GATE__WAIT_S": "240",
 }
 
-
-async def until(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await asyncio.to_thread(cond)
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.2)
 
 
 def scramble(model: Path, dest: Path) -> Path:

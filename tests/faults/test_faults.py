@@ -39,6 +39,7 @@ from shared.settings import BucketSettings
 from shared.store import Bucket
 from tests.support.load import Load
 from tests.support.upstack import UpStack
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(1500)]
 
@@ -56,16 +57,6 @@ SETTINGS = {
 # Rules a turn may be excluded by (services/buffer/rules.py, intake.py); anything else is a bug.
 DOCUMENTED = {"no_next_state", "zero_reward", "stale", "side", "no_tokens"}
 
-
-async def until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await asyncio.to_thread(cond)
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 def read(r: redis.Redis, key: str, model: Any) -> list[Any]:

@@ -24,3 +24,9 @@ async def eventually(
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
         await asyncio.sleep(interval)
+
+
+async def until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """`eventually` for a blocking condition (sync Redis, HTTP): each poll runs in a thread,
+    so the event loop (and the load it drives) keeps running."""
+    return await eventually(lambda: asyncio.to_thread(cond), timeout, what, interval)
