@@ -204,6 +204,19 @@ def test_an_episode_past_its_job_timeout_ends_with_an_error_outcome(
             conn.close()
 
 
+def test_the_ops_port_wants_the_internal_credential(start_worker: Callable[..., ServiceProcess]) -> None:
+    token = "envs-test-internal-token"
+    with StandinPolicy(latency_s=0.0, tool_turns=0) as policy:
+        worker = start_worker(policy.url, NEXTSTATE_INTERNAL__TOKEN=token)
+        base = f"http://127.0.0.1:{worker.env['NEXTSTATE_ENVS__PORT']}"
+        denied = httpx.get(f"{base}/metrics", timeout=5)
+        assert denied.status_code == 401 and "error" in denied.json()
+        assert httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer wrong"}, timeout=5).status_code == 401
+        ok = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+        assert ok.status_code == 200 and "nextstate_envs_episodes_total" in ok.text
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+
+
 # -- through the real collector and engine --------------------------------------------------------
 
 

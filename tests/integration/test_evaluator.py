@@ -103,6 +103,11 @@ def ops_url(proc: ServiceProcess, path: str) -> str:
     return f"http://127.0.0.1:{proc.env['NEXTSTATE_EVAL__PORT']}/{path}"
 
 
+def status(proc: ServiceProcess, path: str) -> int:
+    """The status of an ops request without a credential."""
+    return httpx.get(ops_url(proc, path), timeout=10).status_code
+
+
 def metric(proc: ServiceProcess, name: str, **labels: str) -> float | None:
     text = httpx.get(ops_url(proc, "metrics"), headers=AUTH, timeout=10).text
     for family in text_string_to_metric_families(text):
@@ -190,6 +195,8 @@ async def test_each_committed_version_is_evaluated_once_per_suite(
             assert len(await results(bus) or []) == 2
             assert len(stored(bucket, run)) == 2
 
+    # Its ops port: /metrics only with the internal credential, the probe open.
+    assert status(evaluator, "metrics") == 401 and status(evaluator, "healthz") == 200
     for suite in (SERVED, SERVED_AGAIN):
         assert metric(evaluator, "nextstate_eval_score", suite=suite) == 1.0
         assert metric(evaluator, "nextstate_eval_jobs_total", suite=suite, outcome="ok") == 1.0
