@@ -136,6 +136,16 @@ async def loads(bus: Bus) -> list[PolicyLoaded]:
     return [PolicyLoaded.from_json(f["data"]) for _, f in await bus.redis.xrange(bus.keys.policy)]
 
 
+async def loads_until(bus: Bus, version: int, count: int | None = None) -> list[PolicyLoaded]:
+    """The `policy` stream once its last entry announces `version` (and it holds `count`
+    entries): the engine answers with the new version a moment before the watcher records it."""
+    async def ready() -> list[PolicyLoaded] | None:
+        got = await loads(bus)
+        ok = bool(got) and got[-1].version == version and (count is None or len(got) == count)
+        return got if ok else None
+    return await eventually(ready, 10, f"PolicyLoaded v{version}")  # type: ignore[no-any-return]
+
+
 async def gate_record(bus: Bus, version: int) -> dict[str, object] | None:
     raw = await bus.redis.hget(bus.keys.gate_state, f"version:{version}")
     return None if raw is None else dict(json.loads(raw))
@@ -175,7 +185,7 @@ async def test_broken_refused_better_promoted_worse_rolled_back(
                 (p1,) = await promotions(bus) or []
                 assert (p1.version, p1.decision, p1.serving) == (1, "promoted", 1)
                 assert p1.baseline == {"demo": 0.5} and p1.scores == {"demo": 0.6, "drift": 0.1}
-                (loaded,) = await loads(bus)
+                (loaded,) = await loads_until(bus, 1, 1)
                 assert loaded.version == 1 and loaded.promotion == \
                     "promoted: demo 0.6 >= best 0.5 - 0.05; drift 0.1 <= limit 1"
 
@@ -194,7 +204,7 @@ async def test_broken_refused_better_promoted_worse_rolled_back(
                 ckpt.publish_checkpoint(bucket, run, 3, models["c"], step=3)
                 await evaluated(bus, run, 3, demo=0.7, drift=0.2)
                 await eventually(lambda: weight_version(engine) == "3", 60, "v3 promoted and served")
-                assert (await loads(bus))[-1].promotion == \
+                assert (await loads_until(bus, 3))[-1].promotion == \
                     "promoted: demo 0.7 >= best 0.6 - 0.05; drift 0.2 <= limit 1"
 
                 # A larger re-evaluation finds v3 worse: back to v1, the trainer asked to rebase on it.
@@ -208,7 +218,7 @@ async def test_broken_refused_better_promoted_worse_rolled_back(
                 assert lineage["base"] == 1 and lineage["by"] == "gate"
                 latest = ckpt.read_latest(bucket, run)
                 assert latest is not None and latest.version == 1
-                assert [(p.version, p.cause) for p in await loads(bus)][-1] == (1, "new_version")
+                assert (await loads_until(bus, 1))[-1].cause == "new_version"
 
                 gate = await bus.redis.hgetall(bus.keys.gate_state)
                 assert json.loads(gate["promoted"]) == [1] and gate["serving"] == "1"
@@ -278,7 +288,7 @@ async def test_unevaluated_refused_and_the_gate_survives_a_restart(
                 await eventually(lambda: weight_version(engine) == "2", 60, "v2 promoted late")
                 p3 = (await promotions(bus))[-1]  # type: ignore[index]
                 assert (p3.version, p3.decision, p3.serving) == (2, "promoted", 2)
-                assert (await loads(bus))[-1].promotion == \
+                assert (await loads_until(bus, 2))[-1].promotion == \
                     "promoted: demo 0.45 >= best 0.4 - 0.05; drift 0.2 <= limit 1"
                 group = next(g for g in await bus.redis.xinfo_groups(bus.keys.evals) if g["name"] == "gate")
                 assert int(group["pending"]) == 0 and group["lag"] == 0
@@ -305,7 +315,7 @@ async def test_gate_off_serves_latest_whatever_the_evaluations_say(
                 await evaluated(bus, run, 1, demo=0.0, drift=50.0)
                 ckpt.publish_checkpoint(bucket, run, 2, models["c"], step=2)  # never evaluated
                 await eventually(lambda: weight_version(engine) == "2", 60, "v2 served")
-                assert [p.promotion for p in await loads(bus)] == [None, None]
+                assert [p.promotion for p in await loads_until(bus, 2, 2)] == [None, None]
                 assert not await bus.redis.exists(bus.keys.gate_state, bus.keys.promotions, bus.keys.lineage)
                 assert not await bus.redis.xinfo_groups(bus.keys.evals)
                 assert metric(watcher, "nextstate_gate_decisions_total", decision="refused") is None

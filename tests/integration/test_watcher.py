@@ -177,6 +177,8 @@ async def test_publish_load_refuse_corrupt_and_rollback(
         assert v1_out != base_out  # other weights serve now
 
         async with Bus(s3_settings) as bus:
+            # The engine answers with v1 a moment before the watcher's pass announces it.
+            await eventually(lambda: state_where(bus, engine_version="1", mismatch="0"), 10, "v1 reported")
             rows = await bus.redis.xrange(bus.keys.policy)
             (loaded,) = [PolicyLoaded.from_json(f["data"]) for _, f in rows]
             assert loaded.version == 1 and loaded.weight_version == "1" and loaded.sync_s is not None
