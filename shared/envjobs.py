@@ -24,6 +24,12 @@ the same tasks is a new group (and new jobs), never a no-op.
 The job runs `JOB_FUNCTION` (`services.envs.jobs.run_episode`, a stable path named as a
 string) with a job timeout and `rq.Retry(max=retries)`; rq retries a failed job and, with
 `retries_left`, one whose worker died (shared/rqworker.py says how soon).
+
+Evaluation episodes (`enqueue_eval_episodes`, the evaluator's `env:<name>` suites) are the
+same jobs with a `target`: the held-out tasks, greedy, against an evaluation engine (never
+the collector: nothing of them is captured or trained), at the front of the queue (an
+evaluation waits behind no training run), each result written to `keys.eval_episodes
+(evaluation)` instead of an `Outcome` on `outcomes`.
 """
 
 from __future__ import annotations
@@ -72,9 +78,10 @@ def task_pick(split: str, n: int, seed: int, position: int) -> dict[str, Any]:
 
 
 def _kwargs(run: str, env: str, task_id: str, task: dict[str, Any], group: str, index: int, group_size: int,
-            retries: int) -> dict[str, Any]:
-    return {"run": run, "env": env, "task_id": task_id, "task": task, "group": group, "index": index,
-            "group_size": group_size, "retries": retries}
+            retries: int, target: dict[str, Any] | None = None) -> dict[str, Any]:
+    out = {"run": run, "env": env, "task_id": task_id, "task": task, "group": group, "index": index,
+           "group_size": group_size, "retries": retries}
+    return out if target is None else {**out, "target": target}
 
 
 def _check(index: int, group_size: int, timeout_s: float, retries: int) -> None:
@@ -154,3 +161,44 @@ def enqueue_run(conn: redis.Redis, keys: Keys, run: str, env: str, tasks: int, g
     """Enqueue `group_size` episodes of each of `tasks` tasks (a whole run); their job ids."""
     plan = episode_plan(run, env, tasks, group_size, split=split, seed=seed, invocation=invocation)
     return enqueue_plan(conn, keys, run, env, plan, group_size, timeout_s=timeout_s, retries=retries)
+
+
+EVAL_SPLIT = "heldout"
+EVAL_RESULT_TTL_S = 7 * 24 * 3600
+
+
+def eval_target(engine: str, evaluation: str, temperature: float = 0.0) -> dict[str, Any]:
+    """An episode job's `target` when it evaluates: the engine's root URL (the worker calls
+    only engines it is configured to trust), where the result goes, the temperature."""
+    return {"engine": engine.rstrip("/"), "evaluation": evaluation, "temperature": temperature}
+
+
+def evaluation_id(run: str, version: int, env: str, n: int, seed: int) -> str:
+    """One evaluation's id (its episodes' group): the same evaluation enqueued again (a
+    retried evaluation job) finds the episodes already run or running."""
+    return f"eval-{run}-v{version}-{env}-n{n}-s{seed}"
+
+
+def enqueue_eval_episodes(conn: redis.Redis, keys: Keys, run: str, env: str, version: int, *, engine: str,
+                          n: int, seed: int, timeout_s: float, retries: int) -> tuple[str, list[str]]:
+    """Enqueue `n` held-out episodes of `env` (task `i` of `load_tasks(env, "heldout", n,
+    seed)`) that evaluate `version`, served by `engine`, at the front of the envs queue;
+    (the evaluation id, the episodes' job ids)."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    _check(0, 1, timeout_s, retries)
+    evaluation = evaluation_id(run, version, env, n, seed)
+    target = eval_target(engine, evaluation)
+    ids = []
+    for i in range(n):
+        task_id = f"{EVAL_SPLIT}-{seed}-{i}"
+        job_id = episode_job_id(run, env, task_id, evaluation, 0)
+        guarded_enqueue(
+            conn, queue=keys.envs_queue, guard=keys.episode_enqueued(job_id), job_id=job_id,
+            function=JOB_FUNCTION, at_front=True, timeout_s=timeout_s, retries=retries,
+            kwargs=_kwargs(run, env, task_id, task_pick(EVAL_SPLIT, n, seed, i), evaluation, 0, 1, retries,
+                           target),
+            description=f"evaluation episode {i + 1}/{n} of {env} on v{version} (run {run})",
+        )
+        ids.append(job_id)
+    return evaluation, ids

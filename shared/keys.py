@@ -242,3 +242,9 @@ class Keys:
         """The session id whose Outcome was published for an episode job (SET NX with the
         XADD, in one script): a rerun after a worker died never publishes a second one."""
         return f"{self.prefix}:outcome-published:{job_id}"
+
+    def eval_episodes(self, evaluation: str) -> str:
+        """Hash episode job id -> JSON result of the held-out episodes of one evaluation
+        (shared/envjobs.py `enqueue_eval_episodes`): the envs workers write, the evaluator
+        reads. Never on `outcomes`: an evaluation episode is not training data."""
+        return f"{self.prefix}:eval-episodes:{evaluation}"

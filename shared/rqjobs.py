@@ -107,11 +107,11 @@ async def with_sync_twin(client: aioredis.Redis, fn: Callable[[redis.Redis], T])
 
 def guarded_enqueue(
     conn: redis.Redis, *, queue: str, guard: str, job_id: str, function: str, kwargs: dict[str, Any],
-    timeout_s: float, retries: int, description: str, guard_ttl_s: int = GUARD_TTL_S,
+    timeout_s: float, retries: int, description: str, guard_ttl_s: int = GUARD_TTL_S, at_front: bool = False,
 ) -> bool:
     """Put job `job_id` (ours; rq's is `rq_job_id(job_id)`) on `queue` unless it was
     enqueued before; True when this call enqueued it. `function` is a dotted path (a string:
-    the caller imports nothing of the worker's)."""
+    the caller imports nothing of the worker's). `at_front`: before the jobs waiting."""
     if timeout_s <= 0 or retries < 0:
         raise ValueError("timeout_s must be > 0 and retries >= 0")
     if not conn.set(guard, PENDING, nx=True, ex=guard_ttl_s):
@@ -125,7 +125,7 @@ def guarded_enqueue(
     enqueued = True
     try:
         Queue(queue, connection=conn).enqueue_call(
-            function, kwargs=kwargs, job_id=rq_job_id(job_id), unique=True,
+            function, kwargs=kwargs, job_id=rq_job_id(job_id), unique=True, at_front=at_front,
             timeout=max(1, math.ceil(timeout_s)),
             retry=Retry(max=retries) if retries > 0 else None,
             description=description,

@@ -51,7 +51,9 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | enqueue evaluations (below), publish results: XADD | `P:evals` (write only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | | its rq worker on queue `Q` = `P-eval` (below) | `rq:…` of that queue only |
+| | `env:<name>` suites: enqueue held-out episodes (as `nextstate envs run`, at the front: LPUSH); count the envs workers: SCARD; read their results: HGETALL HLEN | `rq:workers:P-envs` (read only), `P:eval-episodes:*` (read only) |
 | envs | publish outcomes once (script: EVALSHA GET XLEN XADD INCR SET) | `P:outcomes`, `P:shed:outcomes`, `P:outcome-published:*` |
+| | evaluation episodes' results: HSET EXPIRE | `P:eval-episodes:*` (write only) |
 | | its rq worker on queue `Q` = `P-envs` (as the evaluator's, jobs `episode_2e…`) | `rq:…` of that queue only |
 | ctl | the operator (`nextstate status/tail/dlq/...`, `up`'s supervisor): every `@read` and `@write` command, transactions, EVALSHA | `P:*` |
 | | enqueue evaluations (`nextstate eval run`, below) and episodes (`nextstate envs run`) | |
@@ -178,7 +180,7 @@ def _enqueue(queue: str, guard: str, job: str) -> list[Grant]:
         Grant(("set", "get", "del"), _rw(guard)),
         Grant(("sadd",), _rw("rq:queues")),
         # rq's unique enqueue: one script, whose commands are checked like any other.
-        Grant(("evalsha", "exists", "hset", "expire", "rpush"), _rw(f"rq:job:{job}", f"rq:queue:{queue}")),
+        Grant(("evalsha", "exists", "hset", "expire", "rpush", "lpush"), _rw(f"rq:job:{job}", f"rq:queue:{queue}")),
     ]
 
 
@@ -274,6 +276,10 @@ def grants(role: str, k: Keys) -> list[Grant]:
             _dead(k),
             *enqueue_evals(k),
             rq_worker(k),
+            # `env:<name>` suites: held-out episodes on the envs queue, their results read back.
+            *enqueue_episodes(k),
+            Grant(("scard",), _r(f"rq:workers:{k.envs_queue}")),
+            Grant(("hgetall", "hlen"), _r(k.eval_episodes("*"))),
         ]
     if role == "envs":
         out = k.outcomes
@@ -283,6 +289,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
             Grant(("evalsha", "xlen", "xadd", "incr", "get", "set"),
                   _rw(out, k.shed(out), k.outcome_published("*"))),
             Grant(("get",), _r(k.outcome_published("*"))),
+            Grant(("hset", "expire"), _w(k.eval_episodes("*"))),  # evaluation episodes' results
             rq_worker(k, k.envs_queue, RQ_EPISODE_JOB),
         ]
     if role in ("ctl", "keda"):

@@ -7,8 +7,10 @@ write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
 judge ×N, buffer, trainer and watcher, and the evaluation side: a second engine on the
 same model that loads candidates (`eval-engine`) and the evaluator, which evaluates each
 committed version on it (suites `demo` and `drift`, plus `simulated-user` played by the
-judge model when NEXTSTATE_JUDGE__URL is set); with `--envs P`, P environment workers
-(`envs-<i>`: rq episodes through the collector, `nextstate envs run`). Logs are prefixed
+judge model when NEXTSTATE_JUDGE__URL is set, and `env:<name>` for each `--eval-env`);
+with `--envs P`, P environment workers (`envs-<i>`: rq episodes through the collector,
+`nextstate envs run`; started after the evaluation engine, whose held-out episodes they
+also run). Logs are prefixed
 with the service name; Ctrl-C stops everything.
 
 Degrade, never fall: Redis, the bucket, the engine and the collector are the serving
@@ -93,6 +95,9 @@ def register(sub: Any) -> None:
     p.add_argument("--no-train", action="store_true", help="collect and judge only (no trainer, watcher)")
     p.add_argument("--no-eval", action="store_true",
                    help="no evaluation engine nor evaluator (versions are served unevaluated)")
+    p.add_argument("--eval-env", action="append", default=[], metavar="ENV",
+                   help="evaluate every version on ENV's held-out tasks too (suite env:ENV, run by "
+                        "the --envs workers against the evaluation engine); repeatable")
     p.add_argument("--gate", action="store_true",
                    help="serve a version only once its evaluations pass (NEXTSTATE_GATE__ENABLED)")
     p.set_defaults(func=main)
@@ -102,6 +107,10 @@ def main(args: argparse.Namespace) -> int:
     if args.gate and (args.no_eval or args.no_train):
         print("nextstate up: --gate needs the evaluator and the trainer (drop --no-eval / --no-train)",
               file=sys.stderr)
+        return 2
+    if args.eval_env and (args.no_eval or args.no_train or args.envs < 1):
+        print("nextstate up: --eval-env needs the evaluator and environment workers (--envs P, "
+              "without --no-eval / --no-train)", file=sys.stderr)
         return 2
     try:
         model = Path(args.model).resolve() if args.model else ensure_default_model()
@@ -310,7 +319,9 @@ class Stack:
             "NEXTSTATE_BUFFER__CONSUMER_NAME": "buffer",
             **self.bucket_role("buffer"),
         }, "/readyz", "NEXTSTATE_BUFFER__PORT", PORTS["buffer"]))
-        await self.environments()
+        evaluating = not a.no_train and not a.no_eval
+        if not evaluating:  # else after the evaluation engine, which they may run episodes on
+            await self.environments()
         if a.no_train:
             return
         trainer_env = {  # its consumer keeps its default, stable name: trainer-<run>
@@ -332,8 +343,9 @@ class Stack:
             watcher_env["NEXTSTATE_GATE__ENABLED"] = "true"
         await self.sup.start(self.service("watcher", "services.watcher", watcher_env, "/readyz",
                                           "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
-        if not a.no_eval:
+        if evaluating:
             await self.evaluation(m)
+            await self.environments()
 
     async def environments(self) -> None:
         """`--envs P` environment workers (rq, one episode each at a time), agents of the
@@ -349,6 +361,8 @@ class Stack:
             }
             if first:
                 env["NEXTSTATE_ENVS__API_KEY"] = first
+            if "eval-engine" in self.ports:  # held-out episodes of the env:<name> suites
+                env["NEXTSTATE_ENVS__EVAL_ENGINES"] = json.dumps([self.url("eval-engine")])
             await self.sup.start(self.service(f"envs-{i}", "services.envs", env, "/readyz",
                                               "NEXTSTATE_ENVS__PORT", PORTS["envs"] + 10 * i))
 
@@ -357,12 +371,14 @@ class Stack:
         the one users talk to) and the evaluator on it. Both are training side."""
 
         def eval_engine(port: int) -> Proc:
-            return Proc("eval-engine", _python("services.engine", "--model", m, "--port", str(port)),
+            parser = os.environ.get("NEXTSTATE_COLLECTOR__TOOL_PARSER", "hermes")  # the policy's format
+            return Proc("eval-engine", _python("services.engine", "--model", m, "--port", str(port),
+                                               "--tool-call-parser", parser),
                         env=dict(self.env), ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, port=port)
 
         await self.sup.start(self.movable("eval-engine", PORTS["eval-engine"], eval_engine))
-        suites = ["demo", "drift"]
+        suites = ["demo", "drift", *(f"env:{name}" for name in self.args.eval_env)]
         env = {
             "NEXTSTATE_EVAL__ENGINE_URL": self.url("eval-engine"),
             "NEXTSTATE_EVAL__LOCAL_DIR": str(self.root / "eval-checkpoints"),

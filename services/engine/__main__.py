@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None) -> dict[str, Any]:
     p.add_argument("--port", type=int, help="port (NEXTSTATE_ENGINE__PORT)")
     p.add_argument("--weight-version", help="initial weight version (NEXTSTATE_ENGINE__WEIGHT_VERSION)")
     p.add_argument("--served-model-name", help="name in /v1/models (NEXTSTATE_ENGINE__SERVED_MODEL_NAME)")
+    p.add_argument("--tool-call-parser",
+                   help="parse tool calls on /v1/chat/completions (NEXTSTATE_ENGINE__TOOL_CALL_PARSER)")
     ns = p.parse_args(argv)
     return {k: v for k, v in vars(ns).items() if v is not None}
 

@@ -3,7 +3,10 @@
 Messages go through the tokenizer's chat template, then the same generation path as
 `/generate`. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
 so the official SDK raises its usual exceptions. Tool definitions are passed to the
-template; tool calls in the output are not parsed (the text is returned as is).
+template. With a tool-call parser configured (NEXTSTATE_ENGINE__TOOL_CALL_PARSER, as
+SGLang's `--tool-call-parser`), a request with `tools` gets the output's tool calls parsed
+into `tool_calls` (streamed as tool-call deltas), by the same parser as the collector's
+(shared/toolcalls.py); without one, the text is returned as is.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from services.engine.protocol import BadRequest, SGLangSampling, sampling_to_par
 from services.engine.request import GenParams, Snapshot
 from shared.errors import EngineUnavailable
 from shared.schemas import describe
+from shared.toolcalls import StreamParser, delta_dicts, finish_reason, message_dict, parse_assistant
 
 
 class ChatRequest(BaseModel):
@@ -176,19 +180,25 @@ def router(engine: Engine) -> APIRouter:
             return openai_error(503, str(exc), "service_unavailable")
         created = int(time.time())
         model = req.model or engine.served_model_name
+        parser = engine.cfg.tool_call_parser if req.tools else None
         if req.stream:
             return StreamingResponse(
-                _chat_stream(engine, job, model, created, bool(req.logprobs)),
+                _chat_stream(engine, job, model, created, bool(req.logprobs), parser),
                 media_type="text/event-stream",
             )
         try:
             snap = await engine.final(job)
         except Exception as exc:
             return openai_error(500, f"generation failed: {type(exc).__name__}", "server_error")
+        message: dict[str, Any] = {"role": "assistant", "content": snap.text}
+        reason = _finish_reason(snap)
+        if parser is not None:
+            parsed = parse_assistant(snap.text, tools_enabled=True, parser=parser)
+            message, reason = message_dict(parsed), finish_reason(parsed, reason)
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": snap.text},
-            "finish_reason": _finish_reason(snap),
+            "message": message,
+            "finish_reason": reason,
             "logprobs": _logprobs(engine, snap) if req.logprobs else None,
         }
         return JSONResponse(
@@ -211,22 +221,31 @@ def router(engine: Engine) -> APIRouter:
 
 
 async def _chat_stream(
-    engine: Engine, job: Any, model: str, created: int, logprobs: bool
+    engine: Engine, job: Any, model: str, created: int, logprobs: bool, parser: str | None = None
 ) -> AsyncIterator[bytes]:
+    """Text deltas as generated; with a tool-call parser, the parser's deltas (content, then
+    each call's name and arguments) and `tool_calls` as the finish reason."""
     base = {"id": job.params.rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    calls = None if parser is None else StreamParser(True, parser)
     sent_text, sent_tokens = "", 0
     first = True
     try:
         async for snap in engine.outputs(job):
-            delta: dict[str, Any] = {"content": snap.text[len(sent_text) :]}
-            if first:
-                delta["role"] = "assistant"
-                first = False
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": _finish_reason(snap)}
-            if logprobs:
-                choice["logprobs"] = _logprobs(engine, snap, sent_tokens)
+            piece, reason = snap.text[len(sent_text) :], _finish_reason(snap)
+            deltas: list[dict[str, Any]] = [{"content": piece}]
+            if calls is not None:
+                deltas = delta_dicts([*calls.feed(piece), *(calls.finish() if reason else [])]) or [{}]
+                reason = calls.finish_reason(reason) if reason else None
+            for i, delta in enumerate(deltas):
+                if first:
+                    delta = {"role": "assistant", **delta}
+                    first = False
+                last = i == len(deltas) - 1
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason if last else None}
+                if logprobs and last:
+                    choice["logprobs"] = _logprobs(engine, snap, sent_tokens)
+                yield sse({**base, "choices": [choice]})
             sent_text, sent_tokens = snap.text, len(snap.output_ids)
-            yield sse({**base, "choices": [choice]})
     except Exception as exc:
         yield sse({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error"}})
     yield b"data: [DONE]\n\n"

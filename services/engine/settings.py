@@ -10,6 +10,9 @@
     NEXTSTATE_ENGINE__MAX_QUEUE=256            requests waiting beyond those; more are refused with 503
     NEXTSTATE_ENGINE__THREADS=                 torch threads (default: half the CPUs it may use, at least 1;
                                                shared/cpus.py says why)
+    NEXTSTATE_ENGINE__TOOL_CALL_PARSER=        as SGLang's --tool-call-parser: /v1/chat/completions with
+                                               `tools` parses the output's tool calls (hermes, mistral, ...);
+                                               unset: the text is returned as is
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class EngineGroup(BaseModel):
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (default: half the CPUs it may use, at least 1)")
     health_timeout_s: float = Field(20.0, gt=0, description="/health_generate gives up after this")
+    tool_call_parser: str | None = Field(
+        None, description="parse tool calls on /v1/chat/completions with tools (shared/toolparsers.py)")
     shutdown_grace_s: float = Field(10.0, ge=0)
 
     @field_validator("model")
@@ -55,6 +60,15 @@ class EngineGroup(BaseModel):
     def _device(cls, v: str) -> str:
         if v != "auto" and v != "cpu" and not v.startswith("cuda") and v != "mps":
             raise ValueError("auto, cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_call_parser(cls, v: str | None) -> str | None:
+        from shared.toolparsers import tool_parser_names
+
+        if v is not None and v not in tool_parser_names():
+            raise ValueError(f"unknown tool parser {v!r}; known: {', '.join(tool_parser_names())}")
         return v
 
 

@@ -117,8 +117,11 @@ class Policy:
 
 
 async def run_episode(client: AsyncOpenAI, env: Environment, task: Task, sandbox: Sandbox, session_id: str, *,
-                      model: str, max_steps: int, max_tokens: int, temperature: float) -> EpisodeResult:
-    """Run one episode of `task` in `env` (its sandbox fresh and owned by the caller)."""
+                      model: str, max_steps: int, max_tokens: int, temperature: float,
+                      close_session: bool = True) -> EpisodeResult:
+    """Run one episode of `task` in `env` (its sandbox fresh and owned by the caller).
+    `close_session=False` (an evaluation, against an engine: nothing is captured) sends no
+    closing request."""
     t0 = time.monotonic()
     policy = Policy(client, session_id, model=model, max_tokens=max_tokens, temperature=temperature)
     messages: list[Message] = list(await env.reset(task, sandbox))
@@ -142,8 +145,9 @@ async def run_episode(client: AsyncOpenAI, env: Environment, task: Task, sandbox
         elif env.done:
             ended = "done"
     verdict = await env.verify(messages)
-    closing = [*messages, {"role": "user", "content": closing_text(verdict)}] if ended == "answered" else messages
-    await policy.ask(closing, tools, done=True, max_tokens=1)
+    if close_session:
+        closing = [*messages, {"role": "user", "content": closing_text(verdict)}] if ended == "answered" else messages
+        await policy.ask(closing, tools, done=True, max_tokens=1)
     log.debug("episode ended", extra={"session": session_id, "task": task.id, "ended": ended, "steps": steps})
     assert ended is not None
     return EpisodeResult(messages=messages, verdict=verdict, steps=steps, ended=ended,

@@ -35,7 +35,7 @@ def attempt_of(retries: int, retries_left: int | None) -> tuple[int, bool]:
 
 
 def run_episode(run: str, env: str, task_id: str, task: dict[str, Any], group: str, index: int, group_size: int,
-                retries: int = 0) -> dict[str, Any]:
+                retries: int = 0, target: dict[str, Any] | None = None) -> dict[str, Any]:
     runtime = _runtime
     if runtime is None:
         raise RuntimeError(
@@ -45,4 +45,4 @@ def run_episode(run: str, env: str, task_id: str, task: dict[str, Any], group: s
     job = get_current_job()
     attempt, last = attempt_of(retries, job.retries_left if job is not None else 0)
     return runtime.run_job(run=run, env=env, task_id=task_id, task=task, group=group, index=index, group_size=group_size,
-                           attempt=attempt, last_attempt=last)
+                           attempt=attempt, last_attempt=last, target=target)

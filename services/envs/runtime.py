@@ -21,12 +21,19 @@ the environment's own bug, the job timeout) raises, and rq runs the job again wh
 has retries; the last attempt publishes an Outcome with `error` set and reward 0 (the
 buffer never trains it), then fails the job — so every enqueued episode ends with exactly
 one Outcome.
+
+An evaluation episode (the job's `target`, shared/envjobs.py `enqueue_eval_episodes`) runs
+the same loop against the evaluation engine it names (only one of `eval_engines`: the
+internal credential goes to no other URL), at the target's temperature, without the closing
+request; its result (verdict, steps, or the last attempt's error) goes to the evaluation's
+hash `keys.eval_episodes(evaluation)`, never to `outcomes`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -40,6 +47,7 @@ from services.envs.episode import run_episode
 from services.envs.outcomes import OutcomePublisher
 from services.envs.sandbox import Sandbox
 from services.envs.settings import EnvsSettings
+from shared.envjobs import EVAL_RESULT_TTL_S
 from shared.errors import NextstateError
 from shared.jobloop import JobLoop
 from shared.schemas import Outcome, episode_job_id, episode_session_id
@@ -77,6 +85,7 @@ class Runtime(JobLoop):
         self.bus: Bus | None = None
         self.publisher: OutcomePublisher | None = None
         self.client: AsyncOpenAI | None = None
+        self.eval_clients: dict[str, AsyncOpenAI] = {}  # evaluation engine root -> its client
 
     async def main(self) -> None:
         settings, cfg = self.settings, self.settings.envs
@@ -108,10 +117,13 @@ class Runtime(JobLoop):
                 raise RuntimeError(f"the ops port stopped: {ops.exception()!r}")
             server.should_exit = True
             await asyncio.gather(ops, return_exceptions=True)
+            for eval_client in self.eval_clients.values():
+                await eval_client.close()
 
     # -- jobs (called from the worker's thread) ----------------------------------------------------
     def run_job(self, *, run: str, env: str, task_id: str, task: dict[str, Any], group: str, index: int,
-                group_size: int, attempt: int, last_attempt: bool) -> dict[str, Any]:
+                group_size: int, attempt: int, last_attempt: bool,
+                target: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one attempt on the loop and wait; hand it back when the worker stops."""
         if self.publisher is None:
             raise RuntimeError("the envs worker's event loop is not running")
@@ -122,11 +134,23 @@ class Runtime(JobLoop):
             return HandedBack("the worker is stopping: the episode goes back to the queue")
 
         def interrupted(exc: BaseException) -> None:
-            if last_attempt:  # rq's job timeout (or a cold stop) ended the last attempt: say so once
+            if last_attempt and target is not None:
+                self._record_eval_error(target, job_id, task_id, exc)
+            elif last_attempt:  # rq's job timeout (or a cold stop) ended the last attempt: say so once
                 self._publish_error(run, env, job_id, task_id, group, index, group_size, attempt, exc)
 
+        if target is not None:
+            return self.wait(self.evaluate(env, job_id, task_id, task, target, last_attempt), handed_back,
+                             interrupted)
         return self.wait(self.attempt(run, env, job_id, task_id, task, group, index, group_size, attempt,
                                       last_attempt), handed_back, interrupted)
+
+    def _record_eval_error(self, target: dict[str, Any], job_id: str, task_id: str, exc: BaseException) -> None:
+        if self.stop_requested_at is not None:
+            return
+        result = {"task_id": task_id, "error": f"{type(exc).__name__}: {exc}"}
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._record_eval(target, job_id, result), self.loop).result(timeout=10)
 
     def _publish_error(self, run: str, env: str, job_id: str, task_id: str, group: str, index: int,
                        group_size: int, attempt: int, exc: BaseException) -> None:
@@ -194,3 +218,60 @@ class Runtime(JobLoop):
         return {"id": job_id, "session_id": session_id, "reward": verdict.reward, "passed": verdict.passed,
                 "steps": result.steps}
 
+
+    # -- an evaluation episode (on the loop) ---------------------------------------------------
+    def _eval_client(self, engine: str) -> AsyncOpenAI:
+        cfg = self.settings.envs
+        root = engine.rstrip("/")
+        if root not in cfg.eval_engines:
+            raise PermissionError(
+                f"{root} is not an evaluation engine of this worker (NEXTSTATE_ENVS__EVAL_ENGINES="
+                f"{json.dumps(cfg.eval_engines)}): the internal credential goes to those only")
+        if root not in self.eval_clients:
+            self.eval_clients[root] = AsyncOpenAI(
+                base_url=f"{root}/v1", api_key=self.settings.internal.secret() or "none",
+                max_retries=cfg.request_retries, timeout=cfg.request_timeout_s)
+        return self.eval_clients[root]
+
+    async def _record_eval(self, target: dict[str, Any], job_id: str, result: dict[str, Any]) -> None:
+        assert self.bus is not None
+        key = self.bus.keys.eval_episodes(str(target["evaluation"]))
+        pipe = self.bus.redis.pipeline(transaction=True)
+        pipe.hset(key, job_id, json.dumps(result, default=str))
+        pipe.expire(key, EVAL_RESULT_TTL_S)
+        await pipe.execute()
+
+    async def evaluate(self, env_name: str, job_id: str, task_id: str, ref: dict[str, Any],
+                       target: dict[str, Any], last_attempt: bool) -> dict[str, Any]:
+        """One attempt at an evaluation episode: greedy on the evaluation engine; the result
+        recorded for the evaluator (the last attempt's error too), nothing on `outcomes`."""
+        cfg = self.settings.envs
+        t0 = time.monotonic()
+        try:
+            client = self._eval_client(str(target["engine"]))
+            task = resolve_task(env_name, ref)
+            env = load_environment(env_name)
+            try:
+                with Sandbox(cfg.sandbox) as sandbox:
+                    result = await run_episode(
+                        client, env, task, sandbox, job_id, model=cfg.model, max_steps=cfg.max_steps,
+                        max_tokens=cfg.max_tokens, temperature=float(target.get("temperature", 0.0)),
+                        close_session=False)
+            finally:
+                env.close()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("evaluation episode failed", extra={"job": job_id, "error": f"{type(exc).__name__}: {exc}"})
+            EPISODES.labels(env_name, "error" if last_attempt else "retried").inc()
+            if last_attempt:
+                await self._record_eval(target, job_id, {"task_id": task_id, "error": f"{type(exc).__name__}: {exc}",
+                                                         "wall_s": round(time.monotonic() - t0, 3)})
+            raise
+        verdict = result.verdict
+        summary = {"task_id": task.id, "reward": verdict.reward, "passed": verdict.passed, "steps": result.steps,
+                   "ended": result.ended, "details": verdict.details, "wall_s": round(result.wall_s, 3)}
+        await self._record_eval(target, job_id, summary)
+        EPISODES.labels(env_name, "passed" if verdict.passed else "failed").inc()
+        log.info("evaluation episode done", extra={"job": job_id, "reward": verdict.reward, "steps": result.steps})
+        return {"id": job_id, **summary}

@@ -13,6 +13,11 @@
     NEXTSTATE_ENVS__RETRIES=2                    rq retries of a failed episode, or of one whose worker died
     NEXTSTATE_ENVS__SANDBOX__ROOT=               where episode directories are made (services/envs/sandbox.py;
                                                  also __REQUIRE, __UID_BASE, __UID_COUNT, __UID_LOCK_DIR)
+    NEXTSTATE_ENVS__EVAL_ENGINES=["http://127.0.0.1:30001"]
+                                                 evaluation engines this worker may run held-out
+                                                 episodes against (the evaluator's `env:<name>`
+                                                 suites name theirs in the job); the internal
+                                                 credential is sent to them, to no other
     NEXTSTATE_ENVS__CONSUMER_NAME=               stable name of this worker ({hostname}, {pid} filled in;
                                                  default envs-<host>-<pid>); the Outcome's `worker`
     NEXTSTATE_ENVS__HOST=127.0.0.1  NEXTSTATE_ENVS__PORT=9106   (/healthz /readyz /metrics)
@@ -30,7 +35,7 @@ whole seconds), on any worker idle then:
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from services.envs.sandbox import SandboxConfig
 from shared.settings import Settings
@@ -48,6 +53,7 @@ class EnvsConfig(BaseModel):
     job_timeout_s: float = Field(600.0, gt=0)
     retries: int = Field(2, ge=0)
     sandbox: SandboxConfig = SandboxConfig()
+    eval_engines: list[str] = ["http://127.0.0.1:30001"]
     consumer_name: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(9106, ge=0, le=65535)
@@ -56,6 +62,11 @@ class EnvsConfig(BaseModel):
     abandoned_after_s: int = Field(45, ge=2)
     maintenance_s: int = Field(15, ge=1)
     shutdown_grace_s: float = Field(10.0, ge=0)
+
+    @field_validator("eval_engines")
+    @classmethod
+    def _engine_roots(cls, v: list[str]) -> list[str]:
+        return [u.rstrip("/") for u in v]
 
     @model_validator(mode="after")
     def _heartbeat_within_abandon(self) -> EnvsConfig:

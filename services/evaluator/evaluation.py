@@ -95,7 +95,7 @@ class Evaluator:
             headers=bearer(self.settings.internal.secret()),
             tokenizer=cfg.tokenizer or str(folder.resolve()),
             base_model=cfg.base_model or manifest.base_model,
-            cfg=cfg,
+            cfg=cfg, bus=self.bus,
         )
         log.info("evaluating", extra=extra)
         outcome = await suite(ctx)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from services.evaluator.settings import EvalConfig
 from shared.schemas import TaskResult
+from shared.streams import Bus
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class EvalContext:
     tokenizer: str  # the policy's tokenizer folder (its chat template)
     base_model: str  # the base model's HF folder: drift's reference
     cfg: EvalConfig
+    bus: Bus | None = None  # the evaluator's Redis: suites whose work runs on other workers (env:<name>)
 
 
 @dataclass

@@ -46,13 +46,13 @@ def policy() -> Iterator[StandinPolicy]:
         yield p
 
 
-def worker(a: Acl, policy: StandinPolicy) -> ServiceProcess:
+def worker(a: Acl, policy: StandinPolicy, **extra: str) -> ServiceProcess:
     port = free_port()
     proc = ServiceProcess("envs", {
         "NEXTSTATE_ENV": "test", "NEXTSTATE_RUN": f"run-{a.prefix}", "NEXTSTATE_REDIS__URL": a.url("envs"),
         "NEXTSTATE_REDIS__PREFIX": a.prefix, "NEXTSTATE_ENVS__URL": policy.url, "NEXTSTATE_ENVS__PORT": str(port),
         "NEXTSTATE_ENVS__HEARTBEAT_S": "1", "NEXTSTATE_ENVS__ABANDONED_AFTER_S": "2",
-        "NEXTSTATE_ENVS__MAINTENANCE_S": "1",
+        "NEXTSTATE_ENVS__MAINTENANCE_S": "1", **extra,
     }).start()
     proc.wait_http(f"http://127.0.0.1:{port}/readyz", timeout=60)
     return proc
@@ -101,3 +101,33 @@ def test_the_envs_user_runs_episodes_and_publishes_outcomes(acl: Acl, policy: St
     refused(lambda: keda.lrange(f"rq:queue:{k.envs_queue}", 0, -1))
     refused(lambda: keda.llen(f"rq:queue:{k.eval_queue}"))
     keda.close()
+
+
+async def test_evaluation_episodes_under_the_evaluator_and_envs_users(acl: Acl, policy: StandinPolicy) -> None:  # noqa: F811
+    """The `env:<name>` suite as the `evaluator` user (enqueue at the front, count workers,
+    read results) and its episodes run by a worker as `envs` (write the results only)."""
+    from services.evaluator.settings import EvalConfig
+    from services.evaluator.suite import EvalContext
+    from services.evaluator.suites import resolve
+    from shared.settings import Settings
+    from shared.streams import Bus
+
+    k, run = acl.keys, f"run-{acl.prefix}"
+    engine = policy.url.removesuffix("/v1")  # the stand-in plays the evaluation engine
+    proc = worker(acl, policy, NEXTSTATE_ENVS__EVAL_ENGINES=f'["{engine}"]')
+    settings = Settings(env="test", run=run, redis={"url": acl.url("evaluator"), "prefix": acl.prefix})  # type: ignore[arg-type]
+    try:
+        async with Bus(settings) as bus:
+            ctx = EvalContext(run=run, version=3, engine_url=engine, headers={}, tokenizer="", base_model="",
+                              cfg=EvalConfig(samples=1, job_timeout_s=60), bus=bus)
+            outcome = await resolve(f"env:{ECHO}")(ctx)
+            assert (outcome.score, outcome.n) == (1.0, 1) and outcome.tasks[0].task == f"{ECHO}/echo-3"
+    finally:
+        proc.stop()
+    evaluator: Any = redis.Redis.from_url(acl.url("evaluator"), decode_responses=True)
+    refused(lambda: evaluator.hset(k.eval_episodes("x"), "a", "1"))  # results come from the workers only
+    refused(lambda: evaluator.lrange(f"rq:queue:{k.envs_queue}", 0, -1))
+    evaluator.close()
+    envs: Any = redis.Redis.from_url(acl.url("envs"), decode_responses=True)
+    refused(lambda: envs.hgetall(k.eval_episodes("x")))
+    envs.close()

@@ -59,20 +59,26 @@ def test_what_each_role_may_touch() -> None:
 
 def test_the_evaluator_touches_its_queues_keys_only() -> None:
     """Its stream work under the prefix; in rq's namespace only the eval queue `exp-eval`, its
-    registries, workers named after it and evaluation jobs (`eval_2e…`); no Pub/Sub, no INFO."""
+    registries, workers named after it and evaluation jobs (`eval_2e…`); for its `env:<name>`
+    suites, enqueuing episodes on `exp-envs` and reading their results; no Pub/Sub, no INFO."""
     rules = redis_acl.rules("evaluator", "exp")
     text = " ".join(rules)
     ours = set(re.findall(r"~exp:(\S+?)(?=[ )]|$)", text))
-    assert ours == {"checkpoints", "done:evaluator:*", "evals", "dead", "eval-enqueued:*"}
+    assert ours == {"checkpoints", "done:evaluator:*", "evals", "dead", "eval-enqueued:*",
+                    "episode-enqueued:*", "eval-episodes:*"}
+    assert "(%R~exp:eval-episodes:* +hgetall +hlen)" in rules  # the workers write them
     rq = set(re.findall(r"~(rq:\S+?)(?=[ )]|$)", text))
     allowed = re.compile(r"rq:(queues|workers|suspended|[a-z_]+:exp-eval(:intermediate\*|\.\*)?|"
-                         r"(job:?|results|execution|executions):eval_2e\*)")
+                         r"(job:?|results|execution|executions):eval_2e\*|"
+                         r"job:episode_2e\*|queue:exp-envs|workers:exp-envs)")
     assert rq and all(allowed.fullmatch(k) for k in rq), rq
     assert "~rq:*" not in text and "&" not in text and "+info" not in text and "+@pubsub" not in text
     assert "(%W~exp:evals +xadd)" in rules  # publishes results, reads none
     assert "%R~rq:suspended" in text  # `rq suspend` is the operator's
     # Enqueuing is the operator's too (`nextstate eval run`), and nobody else's.
-    assert "(~rq:job:eval_2e* ~rq:queue:exp-eval +evalsha +exists +hset +expire +rpush)" in redis_acl.rules("ctl", "exp")
+    assert "(~rq:job:eval_2e* ~rq:queue:exp-eval +evalsha +exists +hset +expire +rpush +lpush)" in \
+        redis_acl.rules("ctl", "exp")
+    assert "(%R~rq:workers:exp-envs +scard)" in rules
     for role in ("collector", "judge", "buffer", "trainer", "watcher"):
         assert "rq:" not in " ".join(redis_acl.rules(role, "exp")), role
     assert "(%R~rq:queue:exp-envs +llen)" in redis_acl.rules("keda", "exp")  # KEDA's listLength, only
@@ -84,7 +90,8 @@ def test_the_envs_workers_touch_their_queue_and_the_outcomes_only() -> None:
     rules = redis_acl.rules("envs", "exp")
     text = " ".join(rules)
     ours = set(re.findall(r"~exp:(\S+?)(?=[ )]|$)", text))
-    assert ours == {"outcomes", "shed:outcomes", "outcome-published:*"}
+    assert ours == {"outcomes", "shed:outcomes", "outcome-published:*", "eval-episodes:*"}
+    assert "(%W~exp:eval-episodes:* +hset +expire)" in rules  # evaluation results: written, never read
     rq = set(re.findall(r"~(rq:\S+?)(?=[ )]|$)", text))
     allowed = re.compile(r"rq:(queues|workers|suspended|[a-z_]+:exp-envs(:intermediate\*|\.\*)?|"
                          r"(job:?|results|execution|executions):episode_2e\*)")
@@ -92,7 +99,7 @@ def test_the_envs_workers_touch_their_queue_and_the_outcomes_only() -> None:
     assert "eval" not in " ".join(k for k in rq) and "+info" not in text and "+@pubsub" not in text
     # Enqueuing episodes and reading the queue's state are the operator's (`nextstate envs run/status`).
     ctl = redis_acl.rules("ctl", "exp")
-    assert "(~rq:job:episode_2e* ~rq:queue:exp-envs +evalsha +exists +hset +expire +rpush)" in ctl
+    assert "(~rq:job:episode_2e* ~rq:queue:exp-envs +evalsha +exists +hset +expire +rpush +lpush)" in ctl
 
 
 def test_the_docstring_table_has_every_role() -> None:

@@ -382,3 +382,36 @@ async def test_chat_client_gives_up_after_its_retries(monkeypatch: pytest.Monkey
         with pytest.raises(ModelCallFailed, match=r"the user model .* unreachable.*after 3 attempts"):
             await chat.complete([{"role": "user", "content": "q"}], max_tokens=5)
     assert calls == 3
+
+
+# -- env:<name> ------------------------------------------------------------------------------------
+
+
+def test_env_suites_resolve_by_prefix() -> None:
+    from services.evaluator.suites.environment import EnvironmentSuite
+
+    suite = resolve("env:toolcall")
+    assert isinstance(suite, EnvironmentSuite) and suite.env == "toolcall"
+    assert resolve("env:pkg.mod:MyEnv").env == "pkg.mod:MyEnv"  # type: ignore[attr-defined]
+    with pytest.raises(SettingsError, match="needs an environment name"):
+        resolve("env:")
+
+
+def test_env_suite_scores_episodes_once_per_task_and_leaves_errors_out() -> None:
+    from services.evaluator.suites import SuiteError
+    from services.evaluator.suites.environment import score
+
+    eps = [
+        {"task_id": "a", "reward": 1.0, "passed": True, "steps": 2, "ended": "answered", "details": {"x": 1}},
+        {"task_id": "b", "reward": 0.0, "passed": False, "steps": 8, "ended": "max_steps", "details": {}},
+        {"task_id": "a", "reward": 0.0, "passed": False, "steps": 1, "ended": "answered", "details": {}},  # repeat
+        {"task_id": "c", "error": "PolicyUnavailable: down"},
+        {"task_id": "d", "reward": 1.0, "passed": True, "steps": 3, "ended": "answered", "details": {}},
+    ]
+    out = score(eps, "toolcall")
+    assert (out.score, out.n) == (2 / 3, 3) and out.ci == wilson(2, 3)
+    assert [t.task for t in out.tasks] == ["toolcall/a", "toolcall/b", "toolcall/d"]
+    assert out.tasks[0].details == {"steps": 2, "ended": "answered", "x": 1}
+    assert out.metrics == {"passed": 2.0, "errors": 1.0, "mean_reward": 2 / 3, "mean_steps": 13 / 3}
+    with pytest.raises(SuiteError, match=r"none of 1 episodes ran \(PolicyUnavailable: down\)"):
+        score([{"task_id": "c", "error": "PolicyUnavailable: down"}], "toolcall")

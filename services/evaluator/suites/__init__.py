@@ -3,6 +3,8 @@
     demo            the demo task's success criterion (shared/demo_tasks.py), temperature 0
     drift           mean KL(base ‖ candidate) on a fixed prompt set (lower is better)
     simulated-user  an LLM user holds scenario conversations with the candidate, then rates them
+    env:<name>      an environment's held-out tasks (success rate at temperature 0), run by the
+                    envs workers against the evaluation engine (suites/environment.py)
 
 Any other name is `module:callable` (a user's own suite, e.g. `mypkg.evals:tool_suite`):
 the module is imported and the callable must be an `async def suite(ctx) -> SuiteOutcome`
@@ -43,6 +45,13 @@ class SuiteError(NextstateError):
 
 def resolve(name: str) -> Suite:
     """The suite called `name`: a built-in name or `module:callable`."""
+    if name.startswith("env:"):
+        from services.evaluator.suites.environment import EnvironmentSuite
+
+        try:
+            return EnvironmentSuite(name.removeprefix("env:"))
+        except ValueError as exc:
+            raise SettingsError(f"suite {name!r}: {exc}") from None
     target = BUILTIN.get(name)
     if target is None:
         module_name, sep, attr = name.partition(":")
