@@ -50,7 +50,7 @@ DURATION = Histogram(
     buckets=(1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600),
 )
 JOBS = Counter("nextstate_eval_jobs_total", "Evaluation jobs by how they ended "
-               "(ok, failed, handed_back)", ["suite", "outcome"])
+               "(ok, failed, handed_back, gone: pruned before its turn)", ["suite", "outcome"])
 
 
 def install(bucket: Bucket, root: Path, run: str, version: int) -> tuple[Path, CheckpointManifest]:

@@ -30,7 +30,7 @@ from services.evaluator.suite import Suite
 from shared import keys as K
 from shared.consumer import Consumer, Delivery
 from shared.engine_client import make_engine_client
-from shared.errors import NextstateError
+from shared.errors import NextstateError, NoCheckpoint
 from shared.evaljobs import enqueue_eval
 from shared.jobloop import JobLoop
 from shared.schemas import CheckpointPublished
@@ -119,6 +119,13 @@ class Runtime(JobLoop):
                 f"the worker is stopping: {job_id} goes back to the queue"))
             outcome = "ok"
             return {"id": result.id, "score": result.score, "n": result.n}
+        except NoCheckpoint as exc:
+            # Pruned by the trainer's retention before its turn came (the gate off: nothing
+            # waits for evaluations); a retry would find it no more than this attempt did.
+            outcome = "gone"
+            log.warning("version pruned before its evaluation: skipped",
+                        extra={"job": job_id, "version": version, "suite": suite, "error": str(exc)})
+            return {"id": job_id, "skipped": "the checkpoint is no longer in the bucket"}
         except HandedBack:
             outcome = "handed_back"
             raise

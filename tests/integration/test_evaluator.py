@@ -291,3 +291,34 @@ async def test_a_stopped_worker_hands_its_job_back(
                 conn.close()
     assert second.stop() == 0, second.logs()
     assert "handed back" in first.logs(20000)
+
+
+async def test_a_version_pruned_before_its_turn_is_skipped_not_retried(
+    s3_settings: Settings, start_evaluator: Callable[..., ServiceProcess],
+) -> None:
+    """Announced, then gone from the bucket (the trainer's retention, gate off): the job
+    ends at once — no result, no retry, no traceback — and is counted `gone`."""
+    run, keys = s3_settings.run, Keys(s3_settings.redis.prefix)
+    evaluator = start_evaluator([SERVED])
+    async with Bus(s3_settings) as bus:
+        await bus.publish("checkpoints", CheckpointPublished(run=run, version=7, step=7,
+                                                             manifest=ckpt.manifest_key(run, 7)))
+        conn = rq_connection(s3_settings.redis.url)
+        try:
+            queue = Queue(keys.eval_queue, connection=conn)
+            job_id = rq_job_id(job_id_for(run, 7, SERVED))
+
+            def finished() -> bool:
+                job = queue.fetch_job(job_id)
+                return job is not None and job.get_status() == JobStatus.FINISHED
+
+            await eventually(finished, timeout=60, what="the job finished")
+            job = queue.fetch_job(job_id)
+            assert job is not None and job.return_value()["skipped"]  # type: ignore[index]
+            assert queue.failed_job_registry.get_job_ids() == []
+        finally:
+            conn.close()
+        assert await results(bus, 0) == []
+    assert metric(evaluator, "nextstate_eval_jobs_total", suite=SERVED, outcome="gone") == 1.0
+    assert evaluator.stop() == 0, evaluator.logs()
+    assert "Traceback" not in evaluator.logs(100_000)
