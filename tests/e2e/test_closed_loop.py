@@ -58,15 +58,37 @@ def test_policy_improves_from_live_traffic(tiny_model: Path, redis_url: str, uni
             assert up.poll() is None, (tmp_path / "up.log").read_text(errors="replace")[-4000:]
             assert time.monotonic() < deadline, "the stack did not come up"
             time.sleep(0.5)
-        demo = subprocess.run(
-            [NEXTSTATE, "demo", "--url", f"http://127.0.0.1:{port}/v1", "--task", "vowel",
-             "--turns", "2400", "--minutes", "5", "--max-tokens", "2", "--concurrency", "4", "--json"],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=420,
-        )
-        assert demo.returncode == 0, demo.stderr[-2000:]
-        summary = json.loads(demo.stdout.strip().splitlines()[-1])
-        rows = summary["by_version"]
-        assert summary["errors"] == 0
+        # The rewarded behaviour: the first ~150 answers (the base policy and its first
+        # updates) against the last ~300. The demo runs in rounds of 600 answers until the
+        # late rate shows the improvement or the budget is spent: the engine answers 2-token
+        # questions faster than a busy machine trains, so a fixed number of answers may end
+        # before the trainer has caught up.
+        def span(rs: list[dict[str, float]], n: int) -> list[dict[str, float]]:
+            out: list[dict[str, float]] = []
+            for row in rs:
+                out.append(row)
+                if sum(x["turns"] for x in out) >= n:
+                    break
+            return out
+
+        budget = time.monotonic() + 300
+        first: list[dict[str, float]] | None = None
+        answers = rounds = 0
+        while True:
+            demo = subprocess.run(
+                [NEXTSTATE, "demo", "--url", f"http://127.0.0.1:{port}/v1", "--task", "vowel",
+                 "--turns", "600", "--minutes", "3", "--max-tokens", "2", "--concurrency", "4", "--json"],
+                env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+            )
+            assert demo.returncode == 0, demo.stderr[-2000:]
+            summary = json.loads(demo.stdout.strip().splitlines()[-1])
+            assert summary["errors"] == 0
+            rows, rounds, answers = summary["by_version"], rounds + 1, answers + summary["turns"]
+            first = first or rows
+            early, late = span(first, 150), span(list(reversed(rows)), 300)
+            before, after = rate(early), rate(late)
+            if after >= before + 0.10 or time.monotonic() > budget:
+                break
 
         r = redis.Redis.from_url(redis_url, decode_responses=True)
         loaded = [PolicyLoaded.from_json(f["data"]) for _, f in r.xrange(f"{prefix}:policy")]
@@ -76,22 +98,9 @@ def test_policy_improves_from_live_traffic(tiny_model: Path, redis_url: str, uni
         assert max(served) >= loaded[2].version, "new turns do not carry the new weight_version"
         assert all(t.policy_version == int(t.weight_version) for t in turns)
         assert r.xlen(f"{prefix}:dead") == 0
-
-        # The rewarded behaviour: the first ~150 answers (the base policy and its first
-        # updates) against the last ~300.
-        def span(rs: list[dict[str, float]], n: int) -> list[dict[str, float]]:
-            out: list[dict[str, float]] = []
-            for row in rs:
-                out.append(row)
-                if sum(x["turns"] for x in out) >= n:
-                    break
-            return out
-
-        early, late = span(rows, 150), span(list(reversed(rows)), 300)
-        before, after = rate(early), rate(late)
         print(f"success: first {sum(x['turns'] for x in early)} answers {before:.1%} -> last "
               f"{sum(x['turns'] for x in late)} {after:.1%}; versions loaded {len(loaded)}; "
-              f"{summary['turns']} answers in {summary['elapsed_s']}s")
+              f"{answers} answers in {rounds} demo rounds")
         assert after >= before + 0.10, f"no measurable improvement: {before:.1%} -> {after:.1%}"
     finally:
         up.send_signal(signal.SIGINT)
