@@ -19,7 +19,9 @@ from shared.errors import MalformedMessage
 
 SCHEMA_VERSION: Literal[1] = 1
 
-Reward = Literal[-1, 0, 1]
+# A judge's reward: -1 / 0 / 1 from labels, any value in between from graded scores
+# (services/judge/parsing.py). The buffer and trainer take it as the float it is.
+Reward = Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
 TurnType = Literal["main", "side"]
 Mode = Literal["rl", "opd", "combine"]
 
@@ -123,13 +125,14 @@ class Vote(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     score: Reward | None  # None: the judge's answer could not be parsed
-    text: str = ""
+    text: str = ""  # the judge model's whole raw answer (or the rule's / plugin's reason)
     latency_s: float = 0.0
     error: str | None = None
 
 
 class ScoredTurn(Message):
-    """A turn with its reward (majority of the judge's votes) and, in OPD, a hint."""
+    """A turn with its reward (its judge votes aggregated: services/judge/parsing.py) and,
+    in OPD, a hint."""
 
     type: Literal["scored_turn"] = "scored_turn"
     turn: Turn

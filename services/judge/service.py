@@ -73,7 +73,7 @@ class JudgeService:
         finally:
             metrics.INFLIGHT.dec()
         metrics.TURNS.labels("scored" if scored.judged else "unjudged").inc()
-        metrics.REWARDS.labels(scored.judge, str(scored.reward)).inc()
+        metrics.REWARDS.labels(scored.judge, metrics.score_label(scored.reward)).inc()
         log.debug(
             "turn judged",
             extra={"turn_id": turn.id, "session_id": turn.session_id, "reward": scored.reward,

@@ -8,7 +8,12 @@
     NEXTSTATE_JUDGE__API_KEY=...         bearer key of the judge model (never logged); unset and the
                                          judge model is the policy engine (URL on the same host:port
                                          as ENGINE_URL): the stack's NEXTSTATE_INTERNAL__TOKEN
-    NEXTSTATE_JUDGE__VOTES=3             calls per turn, run concurrently; majority wins
+    NEXTSTATE_JUDGE__VOTES=3             calls per turn, run concurrently; aggregated as SCORES says
+    NEXTSTATE_JUDGE__SCORES=label        label (\\boxed{-1|0|1}) | graded (a number in [-1, 1]) |
+                                         probability (p in [0, 1] -> 2p - 1): services/judge/parsing.py
+    NEXTSTATE_JUDGE__VOTE_THRESHOLD=     labels: the share of valid votes a label needs (e.g. 0.6);
+                                         default strictly more than half; else the reward is 0.
+                                         graded / probability votes are averaged (no threshold)
     NEXTSTATE_JUDGE__QUORUM=             calls that must answer (default: a majority of VOTES)
     NEXTSTATE_JUDGE__TEMPERATURE=0.6     NEXTSTATE_JUDGE__MAX_TOKENS=1024
     NEXTSTATE_JUDGE__TIMEOUT_S=60        per call, all attempts of one call share nothing
@@ -16,7 +21,8 @@
     NEXTSTATE_JUDGE__CONCURRENCY=256     turns in flight in this process
     NEXTSTATE_JUDGE__ENGINE_URL=...      the policy engine, for OPD teacher log-probs (sent the internal token)
     NEXTSTATE_JUDGE__TOKENIZER=...       the policy's tokenizer folder, for OPD teacher prompts
-    NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
+    NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   (default by SCORES: prm-v1, prm-graded-v1, prm-prob-v1)
+    NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
     NEXTSTATE_JUDGE__HOST=127.0.0.1      NEXTSTATE_JUDGE__PORT=9102   (/healthz /readyz /metrics)
 """
 
@@ -28,10 +34,12 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
+from services.judge.parsing import ScoreScale
 from shared.schemas import Mode
 from shared.settings import Settings
 
 BUILTIN_JUDGES = ("prm", "rule", "rule+prm")
+DEFAULT_PROMPTS: dict[str, str] = {"label": "prm-v1", "graded": "prm-graded-v1", "probability": "prm-prob-v1"}
 _PLUGIN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 DEFAULT_POSITIVE = (
@@ -59,6 +67,10 @@ class JudgeConfig(BaseModel):
     )
     votes: int = Field(3, ge=1, le=32)
     quorum: int | None = Field(None, ge=1, description="answered calls needed (default: votes//2+1)")
+    scores: ScoreScale = Field("label", description="label | graded | probability (parsing.py)")
+    vote_threshold: float | None = Field(
+        None, gt=0, le=1, description="labels: share of valid votes a label needs (default: > 1/2)"
+    )
     temperature: float = Field(0.6, ge=0)
     max_tokens: int = Field(1024, ge=1)
     timeout_s: float = Field(60.0, gt=0, description="one call, one attempt")
@@ -120,6 +132,13 @@ class JudgeConfig(BaseModel):
     def _consistent(self) -> JudgeConfig:
         if self.quorum is not None and self.quorum > self.votes:
             raise ValueError(f"quorum {self.quorum} exceeds votes {self.votes}")
+        if self.vote_threshold is not None and self.scores != "label":
+            raise ValueError(
+                f"NEXTSTATE_JUDGE__VOTE_THRESHOLD applies to labels; {self.scores} scores are "
+                "averaged: unset it, or set NEXTSTATE_JUDGE__SCORES=label"
+            )
+        if "prompt_version" not in self.model_fields_set:
+            self.prompt_version = DEFAULT_PROMPTS[self.scores]
         if self.mode in ("opd", "combine"):
             missing = [n for n in ("engine_url", "tokenizer") if getattr(self, n) is None]
             if missing:

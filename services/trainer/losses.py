@@ -63,7 +63,7 @@ def masked_mean(
 
 # -- advantages ----------------------------------------------------------------------------------
 def rl_advantages(rewards: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Binary RL, a group of one: A_t = r on every response token, no normalisation.
+    """RL, a group of one: A_t = r (in [-1, 1]) on every response token, no normalisation.
 
     rewards (B,); like (B, T) gives the shape -> (B, T)
     """
