@@ -174,6 +174,10 @@ class TrainSample(Message):
     reward: float
     rollout_logprobs: list[float] | None = None  # None: the trainer uses its own (on-policy)
     teacher_logprobs: list[float] | None = None
+    # Top-K distillation (the trainer's `opd_topk` loss): per response token, the teacher's
+    # K most likely token ids and their log-probs (K the same on every row).
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
     policy_version: int = Field(0, ge=0)
     weight_version: str = "0"
     temperature: float = Field(1.0, ge=0)
@@ -193,11 +197,29 @@ class TrainSample(Message):
             lp = getattr(self, name)
             if lp is not None and len(lp) != n:
                 raise ValueError(f"{name} has {len(lp)} entries for {n} response tokens")
+        check_topk(self.teacher_topk_ids, self.teacher_topk_logprobs, n)
         return self
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+
+def check_topk(ids: list[list[int]] | None, logprobs: list[list[float]] | None, n: int) -> None:
+    """Top-K rows: both or neither, one per response token, the same K >= 1 on every row,
+    ids >= 0, log-probs <= 0 (raises ValueError)."""
+    if ids is None and logprobs is None:
+        return
+    if ids is None or logprobs is None:
+        raise ValueError("teacher_topk_ids and teacher_topk_logprobs come together")
+    if len(ids) != n or len(logprobs) != n:
+        raise ValueError(f"teacher top-K has {len(ids)}/{len(logprobs)} rows for {n} response tokens")
+    k = len(ids[0]) if ids else 1
+    for row_ids, row_lp in zip(ids, logprobs, strict=True):
+        if len(row_ids) != k or len(row_lp) != k or k < 1:
+            raise ValueError(f"every teacher top-K row needs the same K >= 1 ids and log-probs (K={k})")
+        if any(t < 0 for t in row_ids) or any(not lp <= 0.0 for lp in row_lp):
+            raise ValueError("teacher top-K ids must be >= 0 and log-probs <= 0")
 
 
 class TrainBatch(Message):
