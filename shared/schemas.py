@@ -149,6 +149,9 @@ class ScoredTurn(Message):
     hint: str | None = None
     teacher_prompt_ids: list[int] | None = None
     teacher_logprobs: list[float] | None = None
+    # Top-K OPD: the teacher's top-K ids and log-probs per response token (the trainer's opd_topk)
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
 
     @model_validator(mode="after")
     def _teacher_aligned(self) -> ScoredTurn:
@@ -159,6 +162,7 @@ class ScoredTurn(Message):
                 f"teacher_logprobs has {len(self.teacher_logprobs)} entries "
                 f"for {len(self.turn.response_ids)} response_ids"
             )
+        check_topk(self.teacher_topk_ids, self.teacher_topk_logprobs, len(self.turn.response_ids))
         return self
 
 

@@ -18,7 +18,9 @@ scalars; each appears on the step's metrics (the service's log, the checkpoint m
 under its name. Which samples reach the loss is still `LOSS_MODE`'s rule (opd: only those
 with teacher log-probs).
 
-The built-ins `rl`, `opd` and `combine` share one objective, the clipped surrogate plus
+`opd_topk` distils the teacher's top-K distribution (TrainSample.teacher_topk_*): reverse
+KL(student || teacher) over those K tokens plus a tail bin; it needs LOSS_MODE=opd. The
+built-ins `rl`, `opd` and `combine` share one objective, the clipped surrogate plus
 β·k3 KL to the reference (losses.policy_loss) on the advantages of their mode; they are
 registered here like any plugin. A plugin path that does not import, or names nothing
 callable, is refused when the trainer starts (`SettingsError`, exit code 2).
@@ -105,6 +107,34 @@ def register(name: str, fn: LossFn) -> LossFn:
 
 for _mode in ("rl", "opd", "combine"):
     register(_mode, clipped_with_kl)
+
+
+def opd_topk(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, Metrics]:
+    """Top-K on-policy distillation: token-mean of reverse KL(student || teacher) over the
+    teacher's top-K tokens plus a tail bin (losses.topk_reverse_kl), + β·k3 KL to the
+    reference. The student's distribution is log_softmax(logits / T) at the sample's T.
+    Tokens of samples without a top-K contribute nothing (`topk_tokens` counts the rest)."""
+    if inputs.teacher_topk_ids is None or inputs.teacher_topk_logprobs is None or inputs.has_topk is None:
+        zero = (inputs.logits.sum() * 0.0)  # no sample has a top-K: no signal, a graph still
+        return zero, {"topk_kl": zero.detach(), "topk_tokens": zero.detach(), "loss": zero.detach()}
+    t = losses.logprob_temperature(inputs.temperature.float())
+    student = torch.log_softmax(inputs.logits.float() / t[:, None, None], dim=-1)  # (B, W, V)
+    per_token = losses.topk_reverse_kl(student, inputs.teacher_topk_ids, inputs.teacher_topk_logprobs)
+    mask = inputs.mask * inputs.has_topk[:, None].to(inputs.mask.dtype)  # (B, W)
+    kl_teacher = losses.masked_mean(per_token, mask, inputs.num_tokens)
+    loss = kl_teacher
+    metrics = {"topk_kl": kl_teacher.detach(), "topk_tokens": mask.sum().detach()}
+    if cfg.kl_beta > 0:
+        if inputs.ref_logprobs is None:
+            raise ValueError("kl_beta > 0 needs the reference model's log-probs")
+        kl = losses.masked_mean(losses.k3_kl(inputs.logprobs, inputs.ref_logprobs), mask, inputs.num_tokens)
+        loss = loss + cfg.kl_beta * kl
+        metrics["kl"] = kl.detach()
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+register("opd_topk", opd_topk)
 
 
 def mode_advantages(

@@ -131,6 +131,8 @@ class TrainerConfig(BaseModel):
     def _weights(self) -> TrainerConfig:
         if self.loss_mode == "combine" and self.w_rl == 0 and self.w_opd == 0:
             raise ValueError("combine mode with w_rl = w_opd = 0 trains nothing")
+        if self.loss == "opd_topk" and self.loss_mode != "opd":
+            raise ValueError("NEXTSTATE_TRAINER__LOSS=opd_topk needs LOSS_MODE=opd (teacher samples)")
         if self.loss in ("rl", "opd", "combine") and self.loss != self.loss_mode:
             raise ValueError(
                 f"NEXTSTATE_TRAINER__LOSS={self.loss} disagrees with LOSS_MODE={self.loss_mode}: "
