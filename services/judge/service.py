@@ -118,6 +118,8 @@ class JudgeService:
                 hint=opd.hint,
                 teacher_prompt_ids=opd.teacher_prompt_ids,
                 teacher_logprobs=opd.teacher_logprobs,
+                teacher_topk_ids=opd.teacher_topk_ids,
+                teacher_topk_logprobs=opd.teacher_topk_logprobs,
                 judge_model=self.cfg.model,
             )
             fields["judge"] = "opd" if verdict is None else f"{verdict.judge}+opd"

@@ -21,6 +21,8 @@
     NEXTSTATE_JUDGE__CONCURRENCY=256     turns in flight in this process
     NEXTSTATE_JUDGE__ENGINE_URL=...      the policy engine, for OPD teacher log-probs (sent the internal token)
     NEXTSTATE_JUDGE__TOKENIZER=...       the policy's tokenizer folder, for OPD teacher prompts
+    NEXTSTATE_JUDGE__TOPK=0              OPD: also record the teacher's top-K ids and log-probs per
+                                         response token (for the trainer's opd_topk loss; 50 is usual)
     NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   (default by SCORES: prm-v1, prm-graded-v1, prm-prob-v1)
     NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
     NEXTSTATE_JUDGE__HOST=127.0.0.1      NEXTSTATE_JUDGE__PORT=9102   (/healthz /readyz /metrics)
@@ -94,6 +96,9 @@ class JudgeConfig(BaseModel):
     teacher_temperature: float | None = Field(
         None, gt=0, description="default: the turn's sampling temperature (1.0 when it was 0)"
     )
+    topk: int = Field(
+        0, ge=0, le=1024, description="OPD: also record the teacher's top-K per response token (0: off)"
+    )
     min_hint_chars: int = Field(12, ge=1)
     max_hint_chars: int = Field(800, ge=20)
     # -- process --------------------------------------------------------------------------
@@ -137,6 +142,10 @@ class JudgeConfig(BaseModel):
                 f"NEXTSTATE_JUDGE__VOTE_THRESHOLD applies to labels; {self.scores} scores are "
                 "averaged: unset it, or set NEXTSTATE_JUDGE__SCORES=label"
             )
+        if self.topk and self.engine_kind != "sglang":
+            raise ValueError("NEXTSTATE_JUDGE__TOPK needs ENGINE_KIND=sglang (token-in top-K scoring)")
+        if self.topk and self.mode == "rl":
+            raise ValueError("NEXTSTATE_JUDGE__TOPK records the teacher's top-K: it needs MODE=opd or combine")
         if "prompt_version" not in self.model_fields_set:
             self.prompt_version = DEFAULT_PROMPTS[self.scores]
         if self.mode in ("opd", "combine"):

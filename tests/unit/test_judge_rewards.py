@@ -149,3 +149,12 @@ def test_a_graded_reward_travels_to_the_train_sample() -> None:
             a_scored(bad, [])
     with pytest.raises(ValidationError):
         Vote(score=2.0)
+
+
+def test_topk_settings() -> None:
+    opd = {"mode": "opd", "engine_url": "http://127.0.0.1:1", "tokenizer": "/t"}
+    assert JudgeConfig(**opd, topk=50).topk == 50 and JudgeConfig().topk == 0
+    with pytest.raises(ValidationError, match="needs MODE=opd or combine"):
+        JudgeConfig(topk=5)
+    with pytest.raises(ValidationError, match="ENGINE_KIND=sglang"):
+        JudgeConfig(**opd, topk=5, engine_kind="vllm")
