@@ -8,6 +8,8 @@
 - `rule+prm`: the rule first; when it is decisive (1 or -1) its verdict stands and no
   LLM call is made; when it is not (0: no cue, or cues both ways) the PRM decides.
   ScoredTurn.judge names the one that decided ("rule" or "prm").
+- `classifier`: a sequence-classification reward model in this process, batched
+  (services/judge/classifier.py); reward 2p - 1, p the positive class's probability.
 - `module:callable`: a user plugin, sync or async, called with the `Turn`; returns a
   score (an int in {-1, 0, 1} or a float in [-1, 1]) or `(score, text)`. A sync plugin runs in a worker thread so it cannot
   stall the other turns in flight. A plugin that raises or returns anything else fails
@@ -194,6 +196,10 @@ def build_judge(cfg: JudgeConfig, backend: JudgeBackend | None) -> Judge:
     """The judge named by `cfg.type` (`backend` is required for prm and rule+prm)."""
     if cfg.type == "rule":
         return RuleJudge(cfg.positive, cfg.negative)
+    if cfg.type == "classifier":
+        from services.judge.classifier import ClassifierJudge  # torch: only for this judge
+
+        return ClassifierJudge(cfg)
     if cfg.type in ("prm", "rule+prm"):
         if backend is None:
             raise SettingsError(f"judge type {cfg.type} needs a judge backend (NEXTSTATE_JUDGE__URL)")

@@ -159,6 +159,8 @@ async def run(settings: JudgeSettings) -> None:
             backend = await stack.enter_async_context(make_backend(cfg))
             checks["judge"] = backend.health
         judge = build_judge(cfg, backend) if cfg.mode != "opd" else None
+        if judge is not None and (aclose := getattr(judge, "aclose", None)) is not None:
+            stack.push_async_callback(aclose)  # the classifier's batching worker
         token = settings.internal.secret()
         teacher = await _teacher(cfg, backend, stack, checks, token) if cfg.mode != "rl" else None
         service = JudgeService(cfg, bus, judge, teacher)

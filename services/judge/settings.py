@@ -1,6 +1,9 @@
 """The judge's configuration: `NEXTSTATE_JUDGE__*` on top of the shared settings.
 
-    NEXTSTATE_JUDGE__TYPE=prm            prm | rule | rule+prm | module:callable (a plugin)
+    NEXTSTATE_JUDGE__TYPE=prm            prm | rule | rule+prm | classifier | module:callable (a plugin)
+    NEXTSTATE_JUDGE__CLASSIFIER=...      classifier: an HF sequence-classification folder; reward 2p - 1
+                                         (CLASSIFIER_POSITIVE_LABEL=1, CLASSIFIER_BATCH_SIZE=16,
+                                         CLASSIFIER_BATCH_WAIT_MS=10, CLASSIFIER_MAX_LENGTH=1024)
     NEXTSTATE_JUDGE__MODE=rl             rl (reward) | opd (hint + teacher log-probs) | combine (both)
     NEXTSTATE_JUDGE__BACKEND=openai      openai (any /v1/chat/completions) | sglang (native /generate, text in)
     NEXTSTATE_JUDGE__URL=http://127.0.0.1:30000      with or without a trailing /v1
@@ -40,7 +43,7 @@ from services.judge.parsing import ScoreScale
 from shared.schemas import Mode
 from shared.settings import Settings
 
-BUILTIN_JUDGES = ("prm", "rule", "rule+prm")
+BUILTIN_JUDGES = ("prm", "rule", "rule+prm", "classifier")
 DEFAULT_PROMPTS: dict[str, str] = {"label": "prm-v1", "graded": "prm-graded-v1", "probability": "prm-prob-v1"}
 _PLUGIN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -57,7 +60,7 @@ DEFAULT_NEGATIVE = (
 
 
 class JudgeConfig(BaseModel):
-    type: str = Field("prm", description="prm | rule | rule+prm | module:callable")
+    type: str = Field("prm", description="prm | rule | rule+prm | classifier | module:callable")
     mode: Mode = "rl"
     # -- the judge model ----------------------------------------------------------
     backend: Literal["openai", "sglang"] = "openai"
@@ -85,6 +88,12 @@ class JudgeConfig(BaseModel):
     max_response_chars: int = Field(4000, ge=200)
     max_next_state_chars: int = Field(3000, ge=200)
     max_context_chars: int = Field(1200, ge=0)
+    # -- classifier judge (services/judge/classifier.py) -----------------------------------
+    classifier: str | None = Field(None, description="HF sequence-classification folder")
+    classifier_positive_label: int = Field(1, ge=0, description="the label whose probability is p")
+    classifier_batch_size: int = Field(16, ge=1, le=1024)
+    classifier_batch_wait_ms: float = Field(10.0, ge=0, description="wait this long to fill a batch")
+    classifier_max_length: int = Field(1024, ge=8, description="tokens per text (truncated)")
     # -- rule judge -------------------------------------------------------------------
     positive: list[str] = Field(default_factory=lambda: list(DEFAULT_POSITIVE))
     negative: list[str] = Field(default_factory=lambda: list(DEFAULT_NEGATIVE))
@@ -142,6 +151,8 @@ class JudgeConfig(BaseModel):
                 f"NEXTSTATE_JUDGE__VOTE_THRESHOLD applies to labels; {self.scores} scores are "
                 "averaged: unset it, or set NEXTSTATE_JUDGE__SCORES=label"
             )
+        if self.type == "classifier" and self.classifier is None:
+            raise ValueError("judge type classifier needs NEXTSTATE_JUDGE__CLASSIFIER (an HF folder)")
         if self.topk and self.engine_kind != "sglang":
             raise ValueError("NEXTSTATE_JUDGE__TOPK needs ENGINE_KIND=sglang (token-in top-K scoring)")
         if self.topk and self.mode == "rl":
