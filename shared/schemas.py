@@ -19,7 +19,9 @@ from shared.errors import MalformedMessage
 
 SCHEMA_VERSION: Literal[1] = 1
 
-Reward = Literal[-1, 0, 1]
+# A judge's reward: -1 / 0 / 1 from labels, any value in between from graded scores
+# (services/judge/parsing.py). The buffer and trainer take it as the float it is.
+Reward = Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
 TurnType = Literal["main", "side"]
 Mode = Literal["rl", "opd", "combine"]
 
@@ -123,13 +125,14 @@ class Vote(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     score: Reward | None  # None: the judge's answer could not be parsed
-    text: str = ""
+    text: str = ""  # the judge model's whole raw answer (or the rule's / plugin's reason)
     latency_s: float = 0.0
     error: str | None = None
 
 
 class ScoredTurn(Message):
-    """A turn with its reward (majority of the judge's votes) and, in OPD, a hint."""
+    """A turn with its reward (its judge votes aggregated: services/judge/parsing.py) and,
+    in OPD, a hint."""
 
     type: Literal["scored_turn"] = "scored_turn"
     turn: Turn
@@ -146,6 +149,9 @@ class ScoredTurn(Message):
     hint: str | None = None
     teacher_prompt_ids: list[int] | None = None
     teacher_logprobs: list[float] | None = None
+    # Top-K OPD: the teacher's top-K ids and log-probs per response token (the trainer's opd_topk)
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
 
     @model_validator(mode="after")
     def _teacher_aligned(self) -> ScoredTurn:
@@ -156,6 +162,7 @@ class ScoredTurn(Message):
                 f"teacher_logprobs has {len(self.teacher_logprobs)} entries "
                 f"for {len(self.turn.response_ids)} response_ids"
             )
+        check_topk(self.teacher_topk_ids, self.teacher_topk_logprobs, len(self.turn.response_ids))
         return self
 
 
@@ -171,6 +178,10 @@ class TrainSample(Message):
     reward: float
     rollout_logprobs: list[float] | None = None  # None: the trainer uses its own (on-policy)
     teacher_logprobs: list[float] | None = None
+    # Top-K distillation (the trainer's `opd_topk` loss): per response token, the teacher's
+    # K most likely token ids and their log-probs (K the same on every row).
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
     policy_version: int = Field(0, ge=0)
     weight_version: str = "0"
     temperature: float = Field(1.0, ge=0)
@@ -190,11 +201,29 @@ class TrainSample(Message):
             lp = getattr(self, name)
             if lp is not None and len(lp) != n:
                 raise ValueError(f"{name} has {len(lp)} entries for {n} response tokens")
+        check_topk(self.teacher_topk_ids, self.teacher_topk_logprobs, n)
         return self
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+
+def check_topk(ids: list[list[int]] | None, logprobs: list[list[float]] | None, n: int) -> None:
+    """Top-K rows: both or neither, one per response token, the same K >= 1 on every row,
+    ids >= 0, log-probs <= 0 (raises ValueError)."""
+    if ids is None and logprobs is None:
+        return
+    if ids is None or logprobs is None:
+        raise ValueError("teacher_topk_ids and teacher_topk_logprobs come together")
+    if len(ids) != n or len(logprobs) != n:
+        raise ValueError(f"teacher top-K has {len(ids)}/{len(logprobs)} rows for {n} response tokens")
+    k = len(ids[0]) if ids else 1
+    for row_ids, row_lp in zip(ids, logprobs, strict=True):
+        if len(row_ids) != k or len(row_lp) != k or k < 1:
+            raise ValueError(f"every teacher top-K row needs the same K >= 1 ids and log-probs (K={k})")
+        if any(t < 0 for t in row_ids) or any(not lp <= 0.0 for lp in row_lp):
+            raise ValueError("teacher top-K ids must be >= 0 and log-probs <= 0")
 
 
 class TrainBatch(Message):

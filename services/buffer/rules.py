@@ -118,6 +118,8 @@ def build_sample(
         reward=0.0 if anchor_only else reward,
         rollout_logprobs=turn.response_logprobs,
         teacher_logprobs=None if anchor_only else scored.teacher_logprobs,
+        teacher_topk_ids=None if anchor_only else scored.teacher_topk_ids,
+        teacher_topk_logprobs=None if anchor_only else scored.teacher_topk_logprobs,
         policy_version=turn.policy_version,
         weight_version=turn.weight_version,
         temperature=turn.sampling.temperature,

@@ -29,7 +29,7 @@ with Bessel's correction),
     group_norm  A = (R - mean) / (std + eps)
 
     outcome      reward = A                     (the judge's score is ignored)
-    outcome+prm  reward = A + prm_weight * s    (s: the judge's -1/0/1 for that turn)
+    outcome+prm  reward = A + prm_weight * s    (s: the judge's score in [-1, 1] for that turn)
 
 Every main turn of the episode with a next state gets it (the env worker gives every step
 one: the tool results, or the verdict after a final answer); its closing request and

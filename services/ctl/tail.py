@@ -64,8 +64,8 @@ def summarize(msg: Message) -> str:
                 f"{f' tool_calls={calls}' if calls else ''} wv={msg.weight_version} "
                 f"next={_roles(msg.next_state)} closed_by={msg.closed_by}")
     if isinstance(msg, ScoredTurn):
-        votes = ",".join("?" if v.score is None else f"{v.score:+d}" for v in msg.votes)
-        return (f"turn={msg.turn.id} session={msg.turn.session_id} reward={msg.reward:+d} "
+        votes = ",".join("?" if v.score is None else f"{v.score:+g}" for v in msg.votes)
+        return (f"turn={msg.turn.id} session={msg.turn.session_id} reward={msg.reward:+g} "
                 f"votes=[{votes}] judge={msg.judge} mode={msg.mode}"
                 f"{' unjudged' if not msg.judged else ''}{' hint' if msg.hint else ''}")
     if isinstance(msg, TrainBatch):

@@ -1,13 +1,17 @@
 """Pluggable judges: a turn (with its next state) in, a `Verdict` out.
 
-- `prm`: the LLM judge; m concurrent votes under a versioned prompt, majority wins.
+- `prm`: the LLM judge; m concurrent votes under a versioned prompt, aggregated by
+  `NEXTSTATE_JUDGE__SCORES` (labels: the vote threshold, default a strict majority;
+  graded / probability scores: their mean; services/judge/parsing.py).
 - `rule`: keyword / regex cues in the next state's text. Only positive cues -> 1, only
   negative -> -1, both or none -> 0. Free and instant: for demos, tests, and as a filter.
 - `rule+prm`: the rule first; when it is decisive (1 or -1) its verdict stands and no
   LLM call is made; when it is not (0: no cue, or cues both ways) the PRM decides.
   ScoredTurn.judge names the one that decided ("rule" or "prm").
-- `module:callable`: a user plugin, sync or async, called with the `Turn`; returns an
-  int in {-1, 0, 1} or `(int, text)`. A sync plugin runs in a worker thread so it cannot
+- `classifier`: a sequence-classification reward model in this process, batched
+  (services/judge/classifier.py); reward 2p - 1, p the positive class's probability.
+- `module:callable`: a user plugin, sync or async, called with the `Turn`; returns a
+  score (an int in {-1, 0, 1} or a float in [-1, 1]) or `(score, text)`. A sync plugin runs in a worker thread so it cannot
   stall the other turns in flight. A plugin that raises or returns anything else fails
   the turn (retried, then dead-lettered), never silently scores it.
 """
@@ -17,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.judge.backend import JudgeBackend
-from services.judge.parsing import Score, majority
+from services.judge.parsing import Score, aggregate
 from services.judge.prompts import (
     PRM_PROMPTS,
     judge_messages,
@@ -38,12 +43,12 @@ from shared.schemas import Turn, Vote
 
 
 class PluginError(NextstateError):
-    """A judge plugin failed or returned something other than -1, 0, 1 or (score, text)."""
+    """A judge plugin failed or returned something other than a score in [-1, 1] or (score, text)."""
 
 
 @dataclass
 class Verdict:
-    reward: Score
+    reward: float  # in [-1, 1]
     votes: list[Vote] = field(default_factory=list)
     judge: str = "prm"
     judge_model: str | None = None
@@ -75,9 +80,10 @@ class PRMJudge:
 
     async def judge(self, turn: Turn) -> Verdict:
         messages = judge_messages(self.prompt, render_for_judge(turn, self.cfg))
-        votes = await cast_votes(self.backend, messages, self.cfg.votes, self.cfg.needed, "prm")
+        cfg = self.cfg
+        votes = await cast_votes(self.backend, messages, cfg.votes, cfg.needed, "prm", cfg.scores)
         return Verdict(
-            reward=majority(v.score for v in votes),
+            reward=aggregate([v.score for v in votes], cfg.scores, cfg.vote_threshold),
             votes=votes,
             judge=self.name,
             judge_model=self.cfg.model,
@@ -143,17 +149,23 @@ def load_plugin(spec: str) -> PluginFn:
     return fn
 
 
-def plugin_result(spec: str, value: Any) -> tuple[Score, str]:
-    """Validate what a plugin returned: an int in {-1, 0, 1} or (int, text)."""
+def plugin_result(spec: str, value: Any) -> tuple[float, str]:
+    """Validate what a plugin returned: a score (int in {-1, 0, 1}, float in [-1, 1]) or (score, text)."""
     text = ""
     if isinstance(value, tuple):
         if len(value) != 2 or not isinstance(value[1], str):
             raise PluginError(f"judge plugin {spec!r} returned {value!r}: expected score or (score, text)")
         value, text = value
-    if isinstance(value, bool) or not isinstance(value, int) or value not in (-1, 0, 1):
-        raise PluginError(f"judge plugin {spec!r} returned {value!r}: the score must be -1, 0 or 1")
-    score: Score = 1 if value == 1 else -1 if value == -1 else 0
-    return score, text
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not -1 <= value <= 1
+    ):
+        raise PluginError(
+            f"judge plugin {spec!r} returned {value!r}: the score must be a number in [-1, 1]"
+        )
+    return float(value), text
 
 
 class PluginJudge:
@@ -184,6 +196,10 @@ def build_judge(cfg: JudgeConfig, backend: JudgeBackend | None) -> Judge:
     """The judge named by `cfg.type` (`backend` is required for prm and rule+prm)."""
     if cfg.type == "rule":
         return RuleJudge(cfg.positive, cfg.negative)
+    if cfg.type == "classifier":
+        from services.judge.classifier import ClassifierJudge  # torch: only for this judge
+
+        return ClassifierJudge(cfg)
     if cfg.type in ("prm", "rule+prm"):
         if backend is None:
             raise SettingsError(f"judge type {cfg.type} needs a judge backend (NEXTSTATE_JUDGE__URL)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 VOTES = Counter(
-    "nextstate_judge_votes_total", "Judge calls by outcome: 1, -1, 0, unparsable or error",
+    "nextstate_judge_votes_total",
+    "Judge calls by outcome: 1, -1, 0, (0,1) or (-1,0) (graded), unparsable or error",
     ["kind", "outcome"],
 )
 PARSE_FAILURES = Counter(
@@ -30,7 +31,17 @@ TURNS = Counter(
     "Turns by outcome: scored, unjudged (no next state), side (skipped), failed (raised)",
     ["outcome"],
 )
-REWARDS = Counter("nextstate_judge_rewards_total", "Published rewards", ["judge", "reward"])
+REWARDS = Counter(
+    "nextstate_judge_rewards_total", "Published rewards: 1, -1, 0, or (0,1) / (-1,0) when graded",
+    ["judge", "reward"],
+)
+
+
+def score_label(value: float) -> str:
+    """A bounded label for a score or reward: the three labels exactly, else its open interval."""
+    if value in (-1.0, 0.0, 1.0):
+        return str(int(value))
+    return "(0,1)" if value > 0 else "(-1,0)"
 HINTS = Counter(
     "nextstate_judge_hints_total", "OPD hint outcomes: accepted, none, no_user, no_response_ids, teacher_rejected",
     ["outcome"],

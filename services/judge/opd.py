@@ -51,6 +51,8 @@ class OPDResult:
     hint: str | None = None
     teacher_prompt_ids: list[int] | None = None
     teacher_logprobs: list[float] | None = None
+    teacher_topk_ids: list[list[int]] | None = None  # NEXTSTATE_JUDGE__TOPK > 0
+    teacher_topk_logprobs: list[list[float]] | None = None
 
 
 def best_hint(votes: Sequence[Vote], min_chars: int, max_chars: int) -> str | None:
@@ -114,10 +116,16 @@ class Teacher:
         prompt_ids: list[int] = await loop.run_in_executor(
             self._encoder, self.template.encode, teacher_messages, turn.tools
         )
+        ids, start, temperature = prompt_ids + list(turn.response_ids), len(prompt_ids), self.temperature(turn)
+        topk_ids: list[list[int]] | None = None
+        topk_logprobs: list[list[float]] | None = None
         try:
-            logprobs = await self.engine.score(
-                prompt_ids + list(turn.response_ids), len(prompt_ids), temperature=self.temperature(turn)
-            )
+            if self.cfg.topk:
+                logprobs, rows = await self.engine.score_topk(ids, start, self.cfg.topk, temperature=temperature)
+                topk_ids = [[tid for tid, _ in row] for row in rows]
+                topk_logprobs = [[min(lp, 0.0) for _, lp in row] for row in rows]
+            else:
+                logprobs = await self.engine.score(ids, start, temperature=temperature)
         except EngineRejected as exc:
             # 4xx (e.g. the teacher prompt exceeds the context): retrying cannot help.
             metrics.HINTS.labels("teacher_rejected").inc()
@@ -125,7 +133,10 @@ class Teacher:
                         extra={"turn_id": turn.id, "error": str(exc)})  # fmt: skip
             return OPDResult(votes=votes, hint=hint)
         metrics.TEACHER_SECONDS.observe(time.perf_counter() - started)
-        return OPDResult(votes=votes, hint=hint, teacher_prompt_ids=prompt_ids, teacher_logprobs=logprobs)
+        return OPDResult(
+            votes=votes, hint=hint, teacher_prompt_ids=prompt_ids, teacher_logprobs=logprobs,
+            teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_logprobs,
+        )  # fmt: skip
 
     def temperature(self, turn: Turn) -> float:
         if self.cfg.teacher_temperature is not None:

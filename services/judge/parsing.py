@@ -1,14 +1,23 @@
-"""Reading judge answers: the last `\\boxed{…}`, the majority of votes, the OPD hint.
+"""Reading judge answers: the last `\\boxed{…}`, how votes become a reward, the OPD hint.
 
 Pure functions, no I/O, so the rules that decide a reward are tested exhaustively:
 
 - `last_boxed(text)`: the content of the LAST `\\boxed{…}` (braces balanced, so
   `\\boxed{\\text{-1}}` works); None when there is none.
-- `parse_score(text)`: that content as -1, 0 or 1 (spacing, `+1`, a unicode minus,
-  `\\text{}`, `$…$`, `1.0` tolerated); None when unparsable — including when the last box
-  holds something else: an earlier box never stands in for the last one.
-- `majority(scores)`: the value with strictly the most valid votes; a tie between the
-  top values, or no valid vote, gives 0.
+- `parse_score(text, scale)`: that content as a score, None when unparsable — including
+  when the last box holds something else: an earlier box never stands in for the last
+  one. Spacing, `+`, a unicode minus, `\\text{}` and `$…$` are tolerated. By scale
+  (`NEXTSTATE_JUDGE__SCORES`):
+    label        -1, 0 or 1 (`1.0` and `-0` too); anything else is unparsable
+    graded       a decimal number in [-1, 1] (`0.4`, `-.25`, `1`) taken as it is
+    probability  a decimal number p in [0, 1] (the chance the step made progress),
+                 mapped to 2p - 1 (so 0.5 -> 0, 1 -> 1, 0 -> -1); outside [0, 1]: unparsable
+  No exponents, fractions or percentages: a box that is not a plain number is unparsable.
+- `majority(scores, threshold)`: the label whose share of the valid (parsed) votes is
+  strictly more than half (threshold None, the default), or at least `threshold`
+  (e.g. 0.6: 3 of 5); no such label, several, or no valid vote -> 0.
+- `mean_score(scores)`: graded and probability votes: the mean of the valid ones
+  (0 when none is valid); a threshold does not apply to them.
 - `extract_hint(text)`: the text between the last `[HINT_START]` and the `[HINT_END]`
   after it, whitespace collapsed.
 """
@@ -17,10 +26,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
-Score = Literal[-1, 0, 1]
+Score = Literal[-1, 0, 1]  # a label
+ScoreScale = Literal["label", "graded", "probability"]
 
 HINT_START = "[HINT_START]"
 HINT_END = "[HINT_END]"
@@ -28,6 +38,7 @@ HINT_END = "[HINT_END]"
 _BOXED = re.compile(r"\\boxed\s*\{")
 _WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
 _NUMBER = re.compile(r"^([+-]?)\s*([01])(?:\.0*)?$")
+_DECIMAL = re.compile(r"^([+-]?)\s*(\d+(?:\.\d*)?|\.\d+)$")
 _MINUSES = str.maketrans({"−": "-", "–": "-", "—": "-", "﹣": "-", "－": "-"})
 
 
@@ -48,8 +59,8 @@ def last_boxed(text: str) -> str | None:
     return None  # unclosed (the answer was cut off): no earlier box stands in for it
 
 
-def parse_score(text: str) -> Score | None:
-    """The judge's verdict in `text` (-1, 0, 1), or None when it cannot be read."""
+def _box_value(text: str) -> str | None:
+    """The last box's content, unwrapped and normalised (minus signs, `$`, spaces)."""
     content = last_boxed(text)
     if content is None:
         return None
@@ -57,8 +68,13 @@ def parse_score(text: str) -> Score | None:
     prev = None
     while prev != value:  # unwrap \text{...} (possibly nested)
         prev, value = value, _WRAPPERS.sub(r"\1", value)
-    value = value.replace("$", "").strip()
-    m = _NUMBER.match(value)
+    return value.replace("$", "").strip()
+
+
+def parse_label(text: str) -> Score | None:
+    """The judge's verdict in `text` as a label (-1, 0, 1), or None when it cannot be read."""
+    value = _box_value(text)
+    m = _NUMBER.match(value) if value is not None else None
     if m is None:
         return None
     sign, digit = m.groups()
@@ -67,18 +83,63 @@ def parse_score(text: str) -> Score | None:
     return -1 if sign == "-" else 1
 
 
-def majority(scores: Iterable[Score | None]) -> Score:
-    """Strictly the most common valid score; a tie at the top or no valid score -> 0."""
+def parse_decimal(text: str) -> float | None:
+    """The last box as a plain decimal number (sign allowed), or None."""
+    value = _box_value(text)
+    m = _DECIMAL.match(value) if value is not None else None
+    if m is None:
+        return None
+    sign, digits = m.groups()
+    number = float(digits)
+    return -number if sign == "-" else number
+
+
+def parse_score(text: str, scale: ScoreScale = "label") -> float | None:
+    """The judge's score in `text` on `scale`, in [-1, 1]; None when it cannot be read."""
+    if scale == "label":
+        label = parse_label(text)
+        return None if label is None else label
+    number = parse_decimal(text)
+    if number is None:
+        return None
+    if scale == "graded":
+        return number + 0.0 if -1.0 <= number <= 1.0 else None  # + 0.0: no -0.0
+    if not 0.0 <= number <= 1.0:
+        return None
+    return round(2.0 * number - 1.0, 12)  # 0.8 -> 0.6, not 0.6000000000000001
+
+
+def majority(scores: Iterable[float | None], threshold: float | None = None) -> Score:
+    """The label holding strictly more than half of the valid votes (`threshold` None) or
+    at least `threshold` of them; 0 when no label (or more than one) does, or none is valid."""
     counts = Counter(s for s in scores if s is not None)
-    if not counts:
+    valid = sum(counts.values())
+    if not valid:
         return 0
-    ranked = counts.most_common()
-    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+    if threshold is None:
+        winners = [label for label, n in counts.items() if 2 * n > valid]
+    else:  # a tolerance, so that 3 of 5 reaches 0.6 despite float rounding
+        winners = [label for label, n in counts.items() if n / valid >= threshold - 1e-9]
+    if len(winners) != 1:
         return 0
-    return ranked[0][0]
+    label = winners[0]
+    return 1 if label == 1 else -1 if label == -1 else 0
 
 
-def unanimous(scores: Iterable[Score | None]) -> bool:
+def mean_score(scores: Iterable[float | None]) -> float:
+    """The mean of the valid graded scores, in [-1, 1]; 0 when none is valid."""
+    valid = [s for s in scores if s is not None]
+    return sum(valid) / len(valid) if valid else 0.0
+
+
+def aggregate(scores: Sequence[float | None], scale: ScoreScale, threshold: float | None) -> float:
+    """How m votes become the reward: labels by `majority`, graded scores by `mean_score`."""
+    if scale == "label":
+        return majority(scores, threshold)
+    return mean_score(scores)
+
+
+def unanimous(scores: Iterable[float | None]) -> bool:
     """Whether every valid score agrees (vacuously true for fewer than two)."""
     return len({s for s in scores if s is not None}) <= 1
 

@@ -58,6 +58,39 @@ PRM_PROMPTS = {
         ),
     ),
 }
+_PRM_SYSTEM = PRM_PROMPTS["prm-v1"].system
+PRM_PROMPTS["prm-graded-v1"] = Prompt(  # NEXTSTATE_JUDGE__SCORES=graded
+    version="prm-graded-v1",
+    system=_PRM_SYSTEM,
+    task=(
+        "Scoring: a number from -1 to 1.\n"
+        "- 1: clear progress. The user thanks, approves or moves on to a new request; a "
+        "tool call ran and returned a useful, successful result.\n"
+        "- -1: clearly no progress. The user corrects the assistant, repeats or rephrases "
+        "the request, asks for a redo, or says it is wrong; a tool call failed, errored or "
+        "was malformed, or had to be retried.\n"
+        "- 0: the next state does not tell. Values in between say how strongly it leans "
+        "one way (e.g. 0.5: partial progress; -0.3: mild signs of a problem).\n\n"
+        "Reason in at most three short sentences, citing the part of the next state that "
+        "decides. Then end with your score as a decimal number in a box on the last line, "
+        "e.g. \\boxed{0.5} or \\boxed{-1}."
+    ),
+)
+PRM_PROMPTS["prm-prob-v1"] = Prompt(  # NEXTSTATE_JUDGE__SCORES=probability
+    version="prm-prob-v1",
+    system=_PRM_SYSTEM,
+    task=(
+        "Estimate the probability (from 0 to 1) that the response moved the task forward.\n"
+        "- Near 1: the user thanks, approves or moves on to a new request; a tool call ran "
+        "and returned a useful, successful result.\n"
+        "- Near 0: the user corrects the assistant, repeats or rephrases the request, asks "
+        "for a redo, or says it is wrong; a tool call failed, errored or was malformed.\n"
+        "- 0.5: the next state does not tell.\n\n"
+        "Reason in at most three short sentences, citing the part of the next state that "
+        "decides. Then end with the probability as a decimal number in a box on the last "
+        "line, e.g. \\boxed{0.85}."
+    ),
+)
 
 HINT_PROMPTS = {
     "hint-v1": Prompt(

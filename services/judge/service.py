@@ -73,7 +73,7 @@ class JudgeService:
         finally:
             metrics.INFLIGHT.dec()
         metrics.TURNS.labels("scored" if scored.judged else "unjudged").inc()
-        metrics.REWARDS.labels(scored.judge, str(scored.reward)).inc()
+        metrics.REWARDS.labels(scored.judge, metrics.score_label(scored.reward)).inc()
         log.debug(
             "turn judged",
             extra={"turn_id": turn.id, "session_id": turn.session_id, "reward": scored.reward,
@@ -118,6 +118,8 @@ class JudgeService:
                 hint=opd.hint,
                 teacher_prompt_ids=opd.teacher_prompt_ids,
                 teacher_logprobs=opd.teacher_logprobs,
+                teacher_topk_ids=opd.teacher_topk_ids,
+                teacher_topk_logprobs=opd.teacher_topk_logprobs,
                 judge_model=self.cfg.model,
             )
             fields["judge"] = "opd" if verdict is None else f"{verdict.judge}+opd"
@@ -157,6 +159,8 @@ async def run(settings: JudgeSettings) -> None:
             backend = await stack.enter_async_context(make_backend(cfg))
             checks["judge"] = backend.health
         judge = build_judge(cfg, backend) if cfg.mode != "opd" else None
+        if judge is not None and (aclose := getattr(judge, "aclose", None)) is not None:
+            stack.push_async_callback(aclose)  # the classifier's batching worker
         token = settings.internal.secret()
         teacher = await _teacher(cfg, backend, stack, checks, token) if cfg.mode != "rl" else None
         service = JudgeService(cfg, bus, judge, teacher)

@@ -1,6 +1,9 @@
 """The judge's configuration: `NEXTSTATE_JUDGE__*` on top of the shared settings.
 
-    NEXTSTATE_JUDGE__TYPE=prm            prm | rule | rule+prm | module:callable (a plugin)
+    NEXTSTATE_JUDGE__TYPE=prm            prm | rule | rule+prm | classifier | module:callable (a plugin)
+    NEXTSTATE_JUDGE__CLASSIFIER=...      classifier: an HF sequence-classification folder; reward 2p - 1
+                                         (CLASSIFIER_POSITIVE_LABEL=1, CLASSIFIER_BATCH_SIZE=16,
+                                         CLASSIFIER_BATCH_WAIT_MS=10, CLASSIFIER_MAX_LENGTH=1024)
     NEXTSTATE_JUDGE__MODE=rl             rl (reward) | opd (hint + teacher log-probs) | combine (both)
     NEXTSTATE_JUDGE__BACKEND=openai      openai (any /v1/chat/completions) | sglang (native /generate, text in)
     NEXTSTATE_JUDGE__URL=http://127.0.0.1:30000      with or without a trailing /v1
@@ -8,7 +11,12 @@
     NEXTSTATE_JUDGE__API_KEY=...         bearer key of the judge model (never logged); unset and the
                                          judge model is the policy engine (URL on the same host:port
                                          as ENGINE_URL): the stack's NEXTSTATE_INTERNAL__TOKEN
-    NEXTSTATE_JUDGE__VOTES=3             calls per turn, run concurrently; majority wins
+    NEXTSTATE_JUDGE__VOTES=3             calls per turn, run concurrently; aggregated as SCORES says
+    NEXTSTATE_JUDGE__SCORES=label        label (\\boxed{-1|0|1}) | graded (a number in [-1, 1]) |
+                                         probability (p in [0, 1] -> 2p - 1): services/judge/parsing.py
+    NEXTSTATE_JUDGE__VOTE_THRESHOLD=     labels: the share of valid votes a label needs (e.g. 0.6);
+                                         default strictly more than half; else the reward is 0.
+                                         graded / probability votes are averaged (no threshold)
     NEXTSTATE_JUDGE__QUORUM=             calls that must answer (default: a majority of VOTES)
     NEXTSTATE_JUDGE__TEMPERATURE=0.6     NEXTSTATE_JUDGE__MAX_TOKENS=1024
     NEXTSTATE_JUDGE__TIMEOUT_S=60        per call, all attempts of one call share nothing
@@ -16,7 +24,10 @@
     NEXTSTATE_JUDGE__CONCURRENCY=256     turns in flight in this process
     NEXTSTATE_JUDGE__ENGINE_URL=...      the policy engine, for OPD teacher log-probs (sent the internal token)
     NEXTSTATE_JUDGE__TOKENIZER=...       the policy's tokenizer folder, for OPD teacher prompts
-    NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
+    NEXTSTATE_JUDGE__TOPK=0              OPD: also record the teacher's top-K ids and log-probs per
+                                         response token (for the trainer's opd_topk loss; 50 is usual)
+    NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   (default by SCORES: prm-v1, prm-graded-v1, prm-prob-v1)
+    NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
     NEXTSTATE_JUDGE__HOST=127.0.0.1      NEXTSTATE_JUDGE__PORT=9102   (/healthz /readyz /metrics)
 """
 
@@ -28,10 +39,12 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
+from services.judge.parsing import ScoreScale
 from shared.schemas import Mode
 from shared.settings import Settings
 
-BUILTIN_JUDGES = ("prm", "rule", "rule+prm")
+BUILTIN_JUDGES = ("prm", "rule", "rule+prm", "classifier")
+DEFAULT_PROMPTS: dict[str, str] = {"label": "prm-v1", "graded": "prm-graded-v1", "probability": "prm-prob-v1"}
 _PLUGIN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 DEFAULT_POSITIVE = (
@@ -47,7 +60,7 @@ DEFAULT_NEGATIVE = (
 
 
 class JudgeConfig(BaseModel):
-    type: str = Field("prm", description="prm | rule | rule+prm | module:callable")
+    type: str = Field("prm", description="prm | rule | rule+prm | classifier | module:callable")
     mode: Mode = "rl"
     # -- the judge model ----------------------------------------------------------
     backend: Literal["openai", "sglang"] = "openai"
@@ -59,6 +72,10 @@ class JudgeConfig(BaseModel):
     )
     votes: int = Field(3, ge=1, le=32)
     quorum: int | None = Field(None, ge=1, description="answered calls needed (default: votes//2+1)")
+    scores: ScoreScale = Field("label", description="label | graded | probability (parsing.py)")
+    vote_threshold: float | None = Field(
+        None, gt=0, le=1, description="labels: share of valid votes a label needs (default: > 1/2)"
+    )
     temperature: float = Field(0.6, ge=0)
     max_tokens: int = Field(1024, ge=1)
     timeout_s: float = Field(60.0, gt=0, description="one call, one attempt")
@@ -71,6 +88,12 @@ class JudgeConfig(BaseModel):
     max_response_chars: int = Field(4000, ge=200)
     max_next_state_chars: int = Field(3000, ge=200)
     max_context_chars: int = Field(1200, ge=0)
+    # -- classifier judge (services/judge/classifier.py) -----------------------------------
+    classifier: str | None = Field(None, description="HF sequence-classification folder")
+    classifier_positive_label: int = Field(1, ge=0, description="the label whose probability is p")
+    classifier_batch_size: int = Field(16, ge=1, le=1024)
+    classifier_batch_wait_ms: float = Field(10.0, ge=0, description="wait this long to fill a batch")
+    classifier_max_length: int = Field(1024, ge=8, description="tokens per text (truncated)")
     # -- rule judge -------------------------------------------------------------------
     positive: list[str] = Field(default_factory=lambda: list(DEFAULT_POSITIVE))
     negative: list[str] = Field(default_factory=lambda: list(DEFAULT_NEGATIVE))
@@ -81,6 +104,9 @@ class JudgeConfig(BaseModel):
     tokenizer: str | None = Field(None, description="policy tokenizer folder for teacher prompts")
     teacher_temperature: float | None = Field(
         None, gt=0, description="default: the turn's sampling temperature (1.0 when it was 0)"
+    )
+    topk: int = Field(
+        0, ge=0, le=1024, description="OPD: also record the teacher's top-K per response token (0: off)"
     )
     min_hint_chars: int = Field(12, ge=1)
     max_hint_chars: int = Field(800, ge=20)
@@ -120,6 +146,19 @@ class JudgeConfig(BaseModel):
     def _consistent(self) -> JudgeConfig:
         if self.quorum is not None and self.quorum > self.votes:
             raise ValueError(f"quorum {self.quorum} exceeds votes {self.votes}")
+        if self.vote_threshold is not None and self.scores != "label":
+            raise ValueError(
+                f"NEXTSTATE_JUDGE__VOTE_THRESHOLD applies to labels; {self.scores} scores are "
+                "averaged: unset it, or set NEXTSTATE_JUDGE__SCORES=label"
+            )
+        if self.type == "classifier" and self.classifier is None:
+            raise ValueError("judge type classifier needs NEXTSTATE_JUDGE__CLASSIFIER (an HF folder)")
+        if self.topk and self.engine_kind != "sglang":
+            raise ValueError("NEXTSTATE_JUDGE__TOPK needs ENGINE_KIND=sglang (token-in top-K scoring)")
+        if self.topk and self.mode == "rl":
+            raise ValueError("NEXTSTATE_JUDGE__TOPK records the teacher's top-K: it needs MODE=opd or combine")
+        if "prompt_version" not in self.model_fields_set:
+            self.prompt_version = DEFAULT_PROMPTS[self.scores]
         if self.mode in ("opd", "combine"):
             missing = [n for n in ("engine_url", "tokenizer") if getattr(self, n) is None]
             if missing:

@@ -1,6 +1,7 @@
 """Casting m concurrent votes and the partial-failure rule.
 
-A vote is one call to the judge model. Calls that answered count toward the quorum
+A vote is one call to the judge model; its whole raw answer is kept on the Vote (`text`)
+next to the score read from it on the configured scale (`parse_score`). Calls that answered count toward the quorum
 (`JudgeConfig.needed`, default a majority of m), whether or not their text parses;
 calls that failed (down, timed out, 5xx/429 after retries, 4xx) do not. Below the
 quorum the turn is NOT scored: `JudgeUnavailable` is raised, the consumer leaves the
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 
 from services.judge import metrics
 from services.judge.backend import JudgeBackend
-from services.judge.parsing import Score, parse_score, unanimous
+from services.judge.parsing import ScoreScale, parse_score, unanimous
 from shared.errors import EngineUnavailable
 from shared.schemas import Vote
 
@@ -25,7 +26,8 @@ class JudgeUnavailable(EngineUnavailable):
 
 
 async def cast_votes(
-    backend: JudgeBackend, messages: Sequence[dict[str, str]], m: int, needed: int, kind: str
+    backend: JudgeBackend, messages: Sequence[dict[str, str]], m: int, needed: int, kind: str,
+    scale: ScoreScale = "label",
 ) -> list[Vote]:
     """m concurrent calls -> m Votes (score None when unparsable or failed), or raise."""
     results = await asyncio.gather(*(backend.call(messages, kind) for _ in range(m)))
@@ -35,12 +37,12 @@ async def cast_votes(
             metrics.VOTES.labels(kind, "error").inc()
             votes.append(Vote(score=None, text="", latency_s=round(r.latency_s, 4), error=r.error))
             continue
-        score = parse_score(r.text)
+        score = parse_score(r.text, scale)
         if score is None:
             metrics.VOTES.labels(kind, "unparsable").inc()
             metrics.PARSE_FAILURES.labels(kind).inc()
         else:
-            metrics.VOTES.labels(kind, str(score)).inc()
+            metrics.VOTES.labels(kind, metrics.score_label(score)).inc()
         votes.append(Vote(score=score, text=r.text, latency_s=round(r.latency_s, 4)))
     answered = sum(r.text is not None for r in results)
     if answered < needed:
@@ -48,7 +50,6 @@ async def cast_votes(
         raise JudgeUnavailable(
             f"{kind} judge: only {answered} of {m} calls answered (need {needed}): {errors}"
         )
-    scores: list[Score | None] = [v.score for v in votes]
-    if not unanimous(scores):
+    if not unanimous(v.score for v in votes):
         metrics.DISAGREEMENT.labels(kind).inc()
     return votes

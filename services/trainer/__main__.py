@@ -28,6 +28,13 @@ def main() -> int:
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log, "trainer")
+    from services.trainer.loss_plugins import resolve_loss  # torch: only once settings are valid
+
+    try:  # a bad loss plugin path stops the start here, before any model is loaded
+        resolve_loss(settings.trainer.loss or settings.trainer.loss_mode)
+    except SettingsError as exc:
+        print(f"trainer: {exc}", file=sys.stderr)
+        return 2
     if settings.trainer.backend == "ray":  # the same service, data-parallel on a Ray cluster
         from services.trainer.ray_backend import main as main_on_ray
 

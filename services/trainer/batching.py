@@ -33,6 +33,11 @@ class MicroBatch:
     rewards: torch.Tensor  # (B,) float
     temperature: torch.Tensor  # (B,) float
     real_tokens: int  # unpadded tokens the forward reads
+    # The teacher's top-K (opd_topk); None when no sample has one. Rows of samples without
+    # one, padding, and K narrower than the widest: id 0, log-prob -inf (not in the set).
+    teacher_topk_ids: torch.Tensor | None = None  # (B, W, K) long
+    teacher_topk_logprobs: torch.Tensor | None = None  # (B, W, K) float
+    has_topk: torch.Tensor | None = None  # (B,) bool
 
 
 def trains(sample: TrainSample, mode: Mode) -> bool:
@@ -103,6 +108,7 @@ def collate(
         if s.teacher_logprobs is not None:
             teacher[i, lo:hi] = torch.tensor(s.teacher_logprobs[skip:], dtype=torch.float32)
     dev = torch.device(device)
+    topk_ids, topk_lp, has_topk = collate_topk(samples, mode, start, width)
     return MicroBatch(
         input_ids=input_ids.to(dev),
         keep=torch.arange(start, longest - 1, device=dev),
@@ -115,4 +121,30 @@ def collate(
         rewards=torch.tensor([float(s.reward) for s in samples], device=dev),
         temperature=torch.tensor([float(s.temperature) for s in samples], device=dev),
         real_tokens=sum(lengths),
+        teacher_topk_ids=None if topk_ids is None else topk_ids.to(dev),
+        teacher_topk_logprobs=None if topk_lp is None else topk_lp.to(dev),
+        has_topk=None if has_topk is None else has_topk.to(dev),
     )
+
+
+def collate_topk(
+    samples: Sequence[TrainSample], mode: Mode, start: int, width: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The teacher's top-K in window coordinates: ids (B, W, K), log-probs (B, W, K), has (B,)."""
+    ks = [len(s.teacher_topk_ids[0]) for s in samples if s.teacher_topk_ids]
+    if not ks:
+        return None, None, None
+    k = max(ks)
+    ids = torch.zeros(len(samples), width, k, dtype=torch.long)
+    lps = torch.full((len(samples), width, k), float("-inf"))
+    for i, s in enumerate(samples):
+        if not s.teacher_topk_ids or s.teacher_topk_logprobs is None or not trains(s, mode):
+            continue
+        p = s.prompt_length
+        skip = 1 if p == 0 else 0
+        lo, hi = p + skip - 1 - start, p + s.response_length - 1 - start
+        kk = len(s.teacher_topk_ids[0])
+        ids[i, lo:hi, :kk] = torch.tensor(s.teacher_topk_ids[skip:], dtype=torch.long)
+        lps[i, lo:hi, :kk] = torch.tensor(s.teacher_topk_logprobs[skip:], dtype=torch.float32)
+    has = torch.tensor([bool(s.teacher_topk_ids) for s in samples])
+    return ids, lps, has

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 def loss_config(cfg: TrainerConfig) -> LossConfig:
     return LossConfig(
         mode=cfg.loss_mode, w_rl=cfg.w_rl, w_opd=cfg.w_opd, eps_clip=cfg.eps_clip,
-        eps_clip_high=cfg.eps_clip_high, kl_beta=cfg.kl_beta,
+        eps_clip_high=cfg.eps_clip_high, kl_beta=cfg.kl_beta, loss=cfg.loss,
+        options=dict(cfg.loss_options),
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ they too add up across micro-batches.
     log-probs    log_softmax(logits / T)[token], T the sample's temperature (0 -> 1),
                  exactly what the engine reports
     advantages   rl: A = r on every token; opd: A = teacher - old; combine: the weighted sum
+    top-K OPD    reverse KL(student || teacher) over the teacher's top-K tokens + a tail bin
     pg loss      -min(ρA, clip(ρ, 1-ε, 1+ε_high)A), ρ = exp(logp - old)
     KL           k3 estimator to the frozen reference: exp(ref - logp) - (ref - logp) - 1
     loss         token-mean of pg + β·KL over the loss mask; no entropy term
@@ -63,7 +64,7 @@ def masked_mean(
 
 # -- advantages ----------------------------------------------------------------------------------
 def rl_advantages(rewards: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Binary RL, a group of one: A_t = r on every response token, no normalisation.
+    """RL, a group of one: A_t = r (in [-1, 1]) on every response token, no normalisation.
 
     rewards (B,); like (B, T) gives the shape -> (B, T)
     """
@@ -92,6 +93,37 @@ def combined_advantages(
     if has_teacher is not None:
         opd = torch.where(has_teacher[:, None], opd, torch.zeros_like(opd))
     return w_opd * opd + w_rl * rl_advantages(rewards, old_logprobs)
+
+
+# -- top-K distillation -----------------------------------------------------------------------------
+TAIL_FLOOR = 1e-8  # the least tail mass a log is taken of (the teacher's K may hold it all)
+
+
+def topk_reverse_kl(
+    student_logprobs: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """Reverse KL(student || teacher) over the teacher's top-K tokens plus one tail bin.
+
+    With s the student's distribution and t the teacher's, over the bins {k_1..k_K, tail}:
+    Σ_k s_k (log s_k - log t_k) + s_tail (log s_tail - log t_tail), where the tail holds
+    the mass outside the K tokens (1 - Σ_k, at least TAIL_FLOOR before its log). Entries
+    whose teacher log-prob is -inf are padding: not in the set (their mass is tail).
+    With K = V the tails are empty and this is the full reverse KL. The teacher is a
+    constant: gradients flow only through the student.
+
+    student_logprobs (B, W, V) log-softmax, with gradient; topk_ids (B, W, K) long;
+    topk_logprobs (B, W, K) -> (B, W)
+    """
+    t = topk_logprobs.detach().to(student_logprobs.dtype)
+    valid = torch.isfinite(t)  # (B, W, K)
+    s = student_logprobs.gather(-1, topk_ids)  # (B, W, K)
+    s_p = torch.where(valid, s.exp(), torch.zeros_like(s))
+    t_safe = torch.where(valid, t, torch.zeros_like(t))
+    in_set = (s_p * (s - t_safe)).sum(-1)  # (B, W)
+    s_tail = (1.0 - s_p.sum(-1)).clamp(min=0.0)
+    t_tail = (1.0 - torch.where(valid, t.exp(), torch.zeros_like(t)).sum(-1)).clamp(min=0.0)
+    tail = s_tail * (s_tail.clamp(min=TAIL_FLOOR).log() - t_tail.clamp(min=TAIL_FLOOR).log())
+    return in_set + tail
 
 
 # -- loss terms -----------------------------------------------------------------------------------

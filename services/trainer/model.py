@@ -131,10 +131,15 @@ def adapters_off(model: Any) -> Iterator[Any]:
         yield model
 
 
+def window_logits(model: Any, mb: MicroBatch) -> torch.Tensor:
+    """The model's raw logits at the kept positions.  (B, W, V)"""
+    logits: torch.Tensor = model(input_ids=mb.input_ids, use_cache=False, logits_to_keep=mb.keep).logits
+    return logits
+
+
 def window_logprobs(model: Any, mb: MicroBatch) -> torch.Tensor:
     """The model's log-probs of `mb.targets` at the kept positions, at each sample's T.  (B, W)"""
-    out = model(input_ids=mb.input_ids, use_cache=False, logits_to_keep=mb.keep)
-    return token_logprobs(out.logits, mb.targets, mb.temperature)
+    return token_logprobs(window_logits(model, mb), mb.targets, mb.temperature)
 
 
 # -- export ----------------------------------------------------------------------------------------

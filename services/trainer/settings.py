@@ -5,7 +5,11 @@
     NEXTSTATE_TRAINER__BETAS=[0.9,0.999]         NEXTSTATE_TRAINER__GRAD_CLIP=1.0
     NEXTSTATE_TRAINER__EPS_CLIP=0.2              NEXTSTATE_TRAINER__EPS_CLIP_HIGH=0.28
     NEXTSTATE_TRAINER__KL_BETA=0.02              0 skips the reference model entirely
-    NEXTSTATE_TRAINER__LOSS_MODE=rl              rl | opd | combine (W_RL, W_OPD weigh combine)
+    NEXTSTATE_TRAINER__LOSS_MODE=rl              rl | opd | combine (W_RL, W_OPD weigh combine): the
+                                                 samples that train and their advantages
+    NEXTSTATE_TRAINER__LOSS=                     the loss: rl | opd | combine (default: LOSS_MODE's) |
+                                                 opd_topk | a plugin module:function (loss_plugins.py)
+    NEXTSTATE_TRAINER__LOSS_OPTIONS={}           a JSON object handed to the loss (LossConfig.options)
     NEXTSTATE_TRAINER__MICRO_BATCH_TOKENS=8192   padded tokens per forward; gradients accumulate
     NEXTSTATE_TRAINER__CHECKPOINT_EVERY=1        publish a version every K optimizer steps
     NEXTSTATE_TRAINER__KEEP_VERSIONS=3           versions (and trainer states) kept in the bucket
@@ -25,6 +29,7 @@ Ray Train backend (services/trainer/ray_backend.py): data-parallel over a Ray cl
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -33,6 +38,8 @@ from shared.schemas import Mode
 from shared.settings import Settings
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+BUILTIN_LOSSES = ("rl", "opd", "combine", "opd_topk")  # services/trainer/loss_plugins.py
+_PLUGIN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 class TrainerConfig(BaseModel):
@@ -46,6 +53,10 @@ class TrainerConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
     # -- loss ---------------------------------------------------------------------------------
     loss_mode: Mode = "rl"
+    loss: str | None = Field(
+        None, description="rl | opd | combine | opd_topk | module:function (default: loss_mode's)"
+    )
+    loss_options: dict[str, Any] = Field(default_factory=dict, description="handed to the loss")
     w_rl: float = 1.0
     w_opd: float = 1.0
     eps_clip: float = Field(0.2, gt=0, lt=1)
@@ -109,10 +120,24 @@ class TrainerConfig(BaseModel):
             raise ValueError("both betas must be in [0, 1)")
         return v
 
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, v: str | None) -> str | None:
+        if v is not None and v not in BUILTIN_LOSSES and not _PLUGIN.fullmatch(v):
+            raise ValueError(f"one of {', '.join(BUILTIN_LOSSES)} or a plugin as module:function, got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _weights(self) -> TrainerConfig:
         if self.loss_mode == "combine" and self.w_rl == 0 and self.w_opd == 0:
             raise ValueError("combine mode with w_rl = w_opd = 0 trains nothing")
+        if self.loss == "opd_topk" and self.loss_mode != "opd":
+            raise ValueError("NEXTSTATE_TRAINER__LOSS=opd_topk needs LOSS_MODE=opd (teacher samples)")
+        if self.loss in ("rl", "opd", "combine") and self.loss != self.loss_mode:
+            raise ValueError(
+                f"NEXTSTATE_TRAINER__LOSS={self.loss} disagrees with LOSS_MODE={self.loss_mode}: "
+                "unset LOSS (the mode's loss is the default) or make them the same"
+            )
         return self
 
     @model_validator(mode="after")

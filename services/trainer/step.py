@@ -5,7 +5,8 @@ split into micro-batches of at most `micro_batch_tokens` padded tokens; each
 micro-batch's loss is divided by the *whole batch's* token count, so the accumulated
 gradient equals the gradient of one forward over the whole batch.
 
-Behaviour log-probs are the engine's (`rollout_logprobs`); a sample without them is
+The loss is the configured one (services/trainer/loss_plugins.py: a built-in or a plugin),
+called once per micro-batch with its `LossInputs`. Behaviour log-probs are the engine's (`rollout_logprobs`); a sample without them is
 on-policy: its current log-probs, detached, stand in (ratio 1). The reference forward
 runs only when β > 0.
 """
@@ -23,7 +24,20 @@ import torch
 
 from services.trainer import losses
 from services.trainer.batching import MicroBatch, collate, pack, trainable_tokens, trains
-from services.trainer.model import adapters_off, is_lora, trainable_parameters, window_logprobs
+from services.trainer.loss_plugins import LossConfig as LossConfig  # re-exported
+from services.trainer.loss_plugins import (
+    LossInputs,
+    Metrics,
+    mode_advantages,
+    resolve_loss,
+)
+from services.trainer.model import (
+    adapters_off,
+    is_lora,
+    trainable_parameters,
+    window_logits,
+    window_logprobs,
+)
 from shared.errors import MalformedMessage, NextstateError
 from shared.schemas import Mode, TrainSample
 
@@ -33,16 +47,6 @@ log = logging.getLogger(__name__)
 class TrainerBroken(NextstateError):
     """The trainer itself cannot train any more (its data-parallel group broke): the service
     stops and the batch is replayed after a restart, rather than failed and retried."""
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    mode: Mode = "rl"
-    w_rl: float = 1.0
-    w_opd: float = 1.0
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    kl_beta: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,24 @@ def batch_tokens(samples: Sequence[TrainSample], mode: Mode) -> float:
 
 def advantages(mb: MicroBatch, old: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """Per-token advantages for the configured mode.  (B, W)"""
-    if cfg.mode == "rl":
-        return losses.rl_advantages(mb.rewards, old)
-    if cfg.mode == "opd":  # samples without teacher log-probs are masked out in collate
-        return losses.opd_advantages(mb.teacher_logprobs, old)
-    return losses.combined_advantages(
-        mb.teacher_logprobs, old, mb.rewards, cfg.w_opd, cfg.w_rl, mb.has_teacher
+    return mode_advantages(
+        cfg.mode, mb.rewards, mb.teacher_logprobs, mb.has_teacher, old, cfg.w_rl, cfg.w_opd
     )
+
+
+class LossPluginError(NextstateError):
+    """The configured loss returned something other than (scalar tensor, dict of tensors)."""
+
+
+def checked(name: str, out: Any) -> tuple[torch.Tensor, Metrics]:
+    """What a loss returned, validated: a scalar tensor and a dict of scalar metrics."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)
+            and isinstance(out[1], dict)):  # fmt: skip
+        raise LossPluginError(f"loss {name!r} returned {type(out).__name__}: expected (loss, metrics)")
+    loss, metrics = out
+    if loss.dim() != 0:
+        raise LossPluginError(f"loss {name!r} returned a loss of shape {tuple(loss.shape)}, not a scalar")
+    return loss, metrics
 
 
 class Trainer:
@@ -99,6 +114,7 @@ class Trainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.device = torch.device(device)
         self.params = trainable_parameters(model)
+        self.loss_fn = resolve_loss(loss.loss_name)  # SettingsError for a bad plugin path
         if loss.kl_beta > 0 and reference is None and not is_lora(model):
             raise ValueError("kl_beta > 0 needs a reference model (or LoRA, whose base is one)")
 
@@ -131,13 +147,18 @@ class Trainer:
                 continue
             tokens += mb.real_tokens
             ref = self.reference_logprobs(mb)  # first: its activations are gone before ours exist
-            logp = window_logprobs(self.model, mb)  # (B, W)
+            logits = window_logits(self.model, mb)  # (B, W, V)
+            logp = losses.token_logprobs(logits, mb.targets, mb.temperature)  # (B, W)
             old = torch.where(mb.has_old[:, None], mb.old_logprobs, logp.detach())
-            loss, metrics = losses.policy_loss(
-                logp, old, advantages(mb, old, self.loss), mb.mask,
-                eps_clip=self.loss.eps_clip, eps_clip_high=self.loss.eps_clip_high,
-                kl_beta=self.loss.kl_beta, ref_logprobs=ref, num_tokens=num_tokens,
+            inputs = LossInputs(
+                tokens=mb.input_ids, targets=mb.targets, mask=mb.mask, logits=logits,
+                temperature=mb.temperature, logprobs=logp, old_logprobs=old, ref_logprobs=ref,
+                teacher_logprobs=mb.teacher_logprobs, has_teacher=mb.has_teacher,
+                rewards=mb.rewards, advantages=advantages(mb, old, self.loss).detach(),
+                num_tokens=num_tokens, teacher_topk_ids=mb.teacher_topk_ids,
+                teacher_topk_logprobs=mb.teacher_topk_logprobs, has_topk=mb.has_topk,
             )  # fmt: skip
+            loss, metrics = checked(self.loss.loss_name, self.loss_fn(inputs, self.loss))
             loss.backward()  # type: ignore[no-untyped-call]
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)

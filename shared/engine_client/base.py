@@ -14,7 +14,8 @@ as `Authorization: Bearer` on every request, and maps failures onto shared.error
     the engine lacks the feature              -> EngineNotSupported
 
 `generate` / `stream` with `top_logprobs_num=k` also return, per output token, the k most
-likely (token id, log-prob) pairs of the distribution the log-probs come from. A
+likely (token id, log-prob) pairs of the distribution the log-probs come from;
+`score_topk` does the same for teacher-forced tokens (SGLang; vLLM: EngineNotSupported). A
 `SamplingParams.json_schema` / `.regex` asks for constrained decoding with the engine's
 own option (SGLang: the sampling params of the same name; vLLM: `structured_outputs`).
 """
@@ -148,6 +149,10 @@ class EngineClient(Protocol):
     async def score(
         self, input_ids: Sequence[int], start: int, *, temperature: float = 1.0
     ) -> list[float]: ...
+
+    async def score_topk(
+        self, input_ids: Sequence[int], start: int, k: int, *, temperature: float = 1.0
+    ) -> tuple[list[float], list[TopLogprobs]]: ...
 
     async def update_weights(
         self, model_path: str, weight_version: str, *, abort_all_requests: bool = False

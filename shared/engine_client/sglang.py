@@ -241,6 +241,35 @@ class SGLangClient(HTTPEngine):
             )
         return _logprob_values(window, "score")
 
+    async def score_topk(
+        self, input_ids: Sequence[int], start: int, k: int, *, temperature: float = 1.0
+    ) -> tuple[list[float], list[TopLogprobs]]:
+        """`score`, plus the k most likely (id, log-prob) of each scored position's
+        distribution (`top_logprobs_num` with token-in scoring), best first."""
+        ids = list(input_ids)
+        check_score_range(len(ids), start)
+        if start == len(ids):
+            return [], []
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+            "top_logprobs_num": k,
+        }
+        out = await self.json("POST", "/generate", json_body=body)
+        meta = out.get("meta_info") or {}
+        n = len(ids) - start
+        entries = meta.get("input_token_logprobs") or []
+        window = entries[-n:]
+        rows = (meta.get("input_top_logprobs") or [])[-n:]
+        if len(window) != n or [int(e[1]) for e in window] != ids[start:] or len(rows) != n:
+            raise EngineUnavailable(
+                f"score_topk: expected log-probs and top-{k} rows for {n} tokens, got "
+                f"{len(entries)} entries and {len(rows)} rows"
+            )
+        return _logprob_values(window, "score_topk"), _top_values(rows, "score_topk")
+
     async def update_weights(
         self, model_path: str, weight_version: str, *, abort_all_requests: bool = False
     ) -> tuple[bool, str]:

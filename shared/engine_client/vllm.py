@@ -248,6 +248,14 @@ class VLLMClient(HTTPEngine):
             values.append(float(entry["logprob"] if isinstance(entry, dict) else entry))
         return values
 
+    async def score_topk(
+        self, input_ids: Sequence[int], start: int, k: int, *, temperature: float = 1.0
+    ) -> tuple[list[float], list[TopLogprobs]]:
+        raise EngineNotSupported(
+            "teacher top-K scoring is implemented for SGLang (and our engine) only: "
+            "set NEXTSTATE_JUDGE__ENGINE_KIND=sglang or NEXTSTATE_JUDGE__TOPK=0"
+        )
+
     async def _dev(self, path: str, what: str, **kwargs: Any) -> Any:
         resp = await self.request("POST", path, ok=(404,), timeout=self.update_timeout, **kwargs)
         if resp.status_code == 404:

@@ -150,7 +150,7 @@ async def test_opd_mode_only_hints(
     turn = opd_turn(template, unique, f"hint_votes=1; hints={HINT}")
     await bus.publish("turns", turn)
     judge = start_judge(authed(env), standin.url, "opd-only", mode="opd", engine_url=engine,
-                        tokenizer=str(tiny_model), timeout_s="30")
+                        tokenizer=str(tiny_model), timeout_s="30", topk="4")
     try:
         await eventually(lambda: all_acked(bus), 60, "the turn judged")
         (s,) = await scored(bus)
@@ -163,3 +163,22 @@ async def test_opd_mode_only_hints(
     own = await engine_logprobs(engine, (s.teacher_prompt_ids or []) + turn.response_ids, len(turn.response_ids))
     assert s.teacher_logprobs == pytest.approx(own, abs=1e-5)
     assert ready["checks"] == {"redis": "ok", "judge": "ok", "engine": "ok"}
+    # TOPK=4: per response token the teacher's 4 most likely ids, best first, as the engine gives them
+    ids, lps = s.teacher_topk_ids, s.teacher_topk_logprobs
+    assert ids is not None and lps is not None and len(ids) == len(lps) == len(turn.response_ids)
+    want = await engine_top(engine, (s.teacher_prompt_ids or []) + turn.response_ids, len(turn.response_ids), 4)
+    for j, (row_ids, row_lps) in enumerate(zip(ids, lps, strict=True)):
+        assert len(row_ids) == len(set(row_ids)) == 4 and row_lps == sorted(row_lps, reverse=True)
+        assert row_ids == [t for t, _ in want[j]] and row_lps == pytest.approx([lp for _, lp in want[j]], abs=1e-5)
+        if turn.response_ids[j] in row_ids:  # the chosen token's log-prob agrees with teacher_logprobs
+            assert row_lps[row_ids.index(turn.response_ids[j])] == pytest.approx(s.teacher_logprobs[j], abs=1e-5)
+
+
+async def engine_top(engine: str, ids: list[int], n: int, k: int) -> list[list[tuple[int, float]]]:
+    """The engine's own top-k of the last n positions of `ids`, from one raw /generate call."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k}
+    async with httpx.AsyncClient(timeout=60, headers=bearer(TOKEN)) as client:
+        resp = await client.post(f"{engine}/generate", json=body)
+    rows = resp.json()["meta_info"]["input_top_logprobs"][-n:]
+    return [[(int(e[1]), float(e[0])) for e in row] for row in rows]

@@ -3,7 +3,7 @@
 Covers: rewards and audit fields for agreement, disagreement, unparsable and slow votes;
 no next state; side turns; a judge that stays down (retried, then dead-lettered, never
 scored 0); a worker SIGKILLed mid-work (its turns are reclaimed and scored by another);
-three workers on one stream (each turn scored exactly once); plugins.
+three workers on one stream (each turn scored exactly once); plugins; graded votes.
 """
 
 from __future__ import annotations
@@ -184,6 +184,41 @@ async def test_turns_in_scored_turns_out(bus: Bus, env: dict[str, str], standin:
         assert judge.stop() == 0
 
 
+async def test_graded_votes_are_averaged(bus: Bus, env: dict[str, str], standin: StandinThread, unique: str) -> None:
+    """SCORES=probability: each vote's p becomes 2p - 1, the reward is their mean, every raw
+    answer is kept on its vote."""
+    cases = {  # directive -> (reward, the votes' scores)
+        "votes=0.9,0.7,0.8": (0.6, [0.8, 0.4, 0.6]),
+        "votes=1,0.5,x": (0.5, [1.0, 0.0, None]),
+        "votes=0.2": (-0.6, [-0.6, -0.6, -0.6]),
+        "votes=1.7,0.25,x": (-0.5, [None, -0.5, None]),  # 1.7 is no probability: unparsable
+    }
+    turns = {d: make_turn(f"{unique}-{i}", f"ok. <<standin {d}>>", turn_index=i) for i, d in enumerate(cases)}
+    for t in turns.values():
+        await bus.publish("turns", t)
+    judge = start_judge(env, standin.url, "graded", scores="probability")
+    try:
+        await eventually(lambda: all_acked(bus), what="every turn acked")
+        out = {s.id: s for s in await scored(bus)}
+        for directive, (reward, scores) in cases.items():
+            s = out[turns[directive].id]
+            assert s.reward == pytest.approx(reward), directive
+            got = sorted((v.score for v in s.votes), key=lambda x: (x is None, x or 0.0))
+            want = sorted(scores, key=lambda x: (x is None, x or 0.0))
+            assert got == pytest.approx(want), directive
+            assert s.prompt_version == "prm-prob-v1"
+            first = directive.split("=")[1].split(",")
+            for v in s.votes:  # the whole raw answer, decoy box included
+                assert v.text.startswith("At first glance \\boxed{0}") or v.text.startswith("I cannot tell"), v.text
+            assert any(f"\\boxed{{{first[0]}}}" in v.text for v in s.votes) or first[0] == "x", directive
+        text = (await get(f"{judge.ops}/metrics")).text
+        assert metric(text, "nextstate_judge_rewards_total", judge="prm", reward="(0,1)") == 2
+        assert metric(text, "nextstate_judge_rewards_total", judge="prm", reward="(-1,0)") == 2
+        assert metric(text, "nextstate_judge_votes_total", kind="prm", outcome="unparsable") == 3
+    finally:
+        assert judge.stop() == 0
+
+
 async def test_killed_worker_loses_nothing(bus: Bus, env: dict[str, str], standin: StandinThread, unique: str) -> None:
     turns = [make_turn(f"{unique}-{i}", f"<<standin votes=1; delays=2>> {i}") for i in range(30)]
     doomed = start_judge(env, standin.url, "doomed", timeout_s="10")
@@ -251,6 +286,8 @@ def test_bad_configuration_exits_2(env: dict[str, str]) -> None:
         ({"NEXTSTATE_JUDGE__TYPE": "no_such_module_xyz:judge"}, "cannot import 'no_such_module_xyz'"),
         ({"NEXTSTATE_JUDGE__VOTES": "0"}, "NEXTSTATE_JUDGE__VOTES"),
         ({"NEXTSTATE_JUDGE__PROMPT_VERSION": "prm-v9"}, "unknown judge prompt version"),
+        ({"NEXTSTATE_JUDGE__SCORES": "graded", "NEXTSTATE_JUDGE__VOTE_THRESHOLD": "0.6"},
+         "VOTE_THRESHOLD applies to labels"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "services.judge"], cwd=REPO, env={**env, **extra, "PATH": "/usr/bin:/bin"},
