@@ -34,7 +34,7 @@ ENV = "tests.support.vowel_env:VowelEnv"
 TARGET_VERSIONS = 90  # stop once this many versions were loaded ...
 BUDGET_S = 150  # ... or after this long running episodes
 EARLY, LATE = 100, 200  # episodes compared: the first (oldest versions) and the last (newest)
-MARGIN = 0.30  # success must rise by at least this much (measured: see the commit message)
+MARGIN = 0.30  # success must rise by at least this much (measured here: +40 points at 60 versions, +71 to +81 at 90)
 
 
 def rate(outcomes: list[Outcome]) -> float:

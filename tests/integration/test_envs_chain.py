@@ -149,15 +149,14 @@ def check_episode(streams: Streams, outcome: Outcome, expected: float | None) ->
     return mine
 
 
-def wait_decided(streams: Streams, outcomes: list[Outcome], trained: int, timeout: float = 120) -> None:
-    """Every turn of `outcomes`' episodes decided: `trained` of them in batches, nothing held."""
-    sessions = {o.session_id for o in outcomes}
+def wait_decided(streams: Streams, decided: int, trained: int, timeout: float = 120) -> None:
+    """`decided` turns decided by the buffer in all (each counted once, closing turns too:
+    they may reach it after their episode's other turns), `trained` samples in batches."""
 
     def done() -> bool:
-        batched = sum(s.session_id in sessions for s in streams.samples())
-        return batched >= trained and streams.held() == 0
+        return sum(streams.counts().values()) >= decided and len(streams.samples()) >= trained
 
-    wait_until(done, timeout, f"{trained} samples of {len(sessions)} episodes in batches")
+    wait_until(done, timeout, f"{decided} turns decided, {trained} samples in batches")
 
 
 def test_episode_outcomes_reach_training_batches_with_their_advantage(
@@ -172,10 +171,11 @@ def test_episode_outcomes_reach_training_batches_with_their_advantage(
            **dict.fromkeys(run_group(settings, [0.25], 1), 0.25)}
     wait_until(lambda: set(raw) <= set(streams.outcomes()), 120, "the raw episodes' outcomes")
     first = [streams.outcomes()[j] for j in raw]
-    wait_decided(streams, first, trained=4)
+    wait_decided(streams, decided=6, trained=4)  # 2 episodes x (2 real turns + the closing one)
     for o in first:
         check_episode(streams, o, raw[o.id])
     assert streams.counts() == {"kept": 4, "no_next_state": 2}
+    wait_until(lambda: streams.held() == 0, 30, "the episodes' turns released")
     assert buffer.stop() == 0, buffer.logs()
 
     # 2. outcome / group_norm, on the same stack with the buffer restarted.
@@ -188,10 +188,10 @@ def test_episode_outcomes_reach_training_batches_with_their_advantage(
     }
     wait_until(lambda: set(expected) <= set(streams.outcomes()), 120, "the grouped episodes' outcomes")
     second = [streams.outcomes()[j] for j in expected]
-    wait_decided(streams, second, trained=8)
-    wait_until(lambda: streams.counts().get("zero_reward", 0) == 2, 30, "the A = 0 episode's turns excluded")
+    wait_decided(streams, decided=6 + 15, trained=4 + 8)
     for o in second:
         check_episode(streams, o, expected[o.id])
     assert streams.counts() == {"kept": 12, "no_next_state": 7, "zero_reward": 2}
     assert len(streams.samples()) == 12  # nothing else, nothing twice
+    wait_until(lambda: streams.held() == 0, 30, "the episodes' turns released")
     assert int(streams.r.xlen(keys.dead)) == 0
