@@ -16,6 +16,7 @@ import pytest
 from shared.settings import Settings
 from tests.support.servers import RedisServer, S3Server
 from tests.support.tiny_model import build_tiny_model
+from tests.support.tool_model import build_tool_model
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +89,10 @@ def s3_settings(s3_env: dict[str, str]) -> Settings:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF folder: tokenizer with a ChatML/tools template + a 2-layer random Llama."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model trained to call `get_weather` and answer (tests/support/tool_model.py),
+    built once per session (~12 s)."""
+    return build_tool_model(tmp_path_factory.mktemp("tool-model"))

@@ -349,7 +349,9 @@ class Stack:
 
     async def environments(self) -> None:
         """`--envs P` environment workers (rq, one episode each at a time), agents of the
-        collector like any other; stable names envs-<i> (the outcomes' `worker`)."""
+        collector like any other; stable names envs-<i> (the outcomes' `worker`). Their sandboxes
+        are made in the workers' default root, <tmp>/nextstate-sandboxes: not under the stack's
+        folder, which a sandbox's own uid may not reach (a home such as /root is 0700)."""
         collector = self.url("collector", "/v1")
         keys = os.environ.get("NEXTSTATE_COLLECTOR__API_KEYS", "").strip()
         first = (json.loads(keys) if keys.startswith("[") else keys.split(","))[0].strip() if keys else ""
@@ -357,7 +359,6 @@ class Stack:
             env = {
                 "NEXTSTATE_ENVS__URL": collector,
                 "NEXTSTATE_ENVS__CONSUMER_NAME": f"envs-{i}",
-                "NEXTSTATE_ENVS__SANDBOX__ROOT": str(self.root / "sandboxes"),
             }
             if first:
                 env["NEXTSTATE_ENVS__API_KEY"] = first

@@ -1,10 +1,11 @@
 """`python -m services.envs`: an environment worker (one episode at a time).
 
-settings → logging → the sandbox's required protections checked (missing ones refuse to
-start, exit 2) → the runtime thread (policy client, Redis, ops port) → the rq worker on
-`keys.envs_queue` in the main thread until SIGTERM/SIGINT (shared/rqworker.py). Several
-processes, on one host or many, run episodes in parallel. Exit 0 after a stop; 1 when
-the runtime failed, Redis could not be reached, or the worker quit on its own.
+settings → logging → the sandbox checked (a required protection missing, or the docker
+backend without a Docker engine: refuse to start, exit 2) → the runtime thread (policy
+client, Redis, ops port) → the rq worker on `keys.envs_queue` in the main thread until
+SIGTERM/SIGINT (shared/rqworker.py). Several processes, on one host or many, run
+episodes in parallel. Exit 0 after a stop; 1 when the runtime failed, Redis could not be
+reached, or the worker quit on its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from redis.exceptions import RedisError
 
 from services.envs import jobs
 from services.envs.runtime import Runtime
-from services.envs.sandbox import check_required
+from services.envs.sandbox import check_backend
 from services.envs.settings import EnvsSettings
 from shared.consumer import consumer_name
 from shared.errors import NextstateError, SettingsError
@@ -42,7 +43,7 @@ def run(settings: EnvsSettings) -> int:
 def main() -> int:
     try:
         settings = load_settings(EnvsSettings)
-        check_required(settings.envs.sandbox.require)
+        check_backend(settings.envs.sandbox)
     except (SettingsError, NextstateError) as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -137,7 +137,8 @@ class Execution:
     """
 
     def __init__(self, proc: subprocess.Popen[bytes], limits: SandboxLimits, stdin: bytes | None,
-                 started: float, sweep: Callable[[], None] | None, pid_namespace: bool) -> None:
+                 started: float, sweep: Callable[[], None] | None, pid_namespace: bool,
+                 on_kill: Callable[[], None] | None = None) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         self.proc = proc
         self._limits = limits
@@ -160,6 +161,7 @@ class Execution:
         self._drain_until: float | None = None
         self._swept = False
         self._pid_namespace = pid_namespace  # proc is the relay; its child the namespace's init
+        self._on_kill = on_kill  # what else a kill must stop (the docker backend: the container)
         self.killed_by: str | None = None
         self.timed_out = False
         self.finished = False
@@ -248,6 +250,9 @@ class Execution:
     def kill(self, reason: str) -> None:
         if self.killed_by is None:
             self.killed_by = reason
+        if self._on_kill is not None and not self._exited:
+            on_kill, self._on_kill = self._on_kill, None
+            on_kill()
         if self._pid_namespace and not self._exited and _kill_child(self.proc.pid):
             return  # the namespace's init: the kernel kills the rest, the relay reports it
         self._killpg()

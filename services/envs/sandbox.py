@@ -18,6 +18,11 @@ on the event loop: ~5-8 ms with every protection). What the sandbox does not do:
 disk the directory may fill (only each file's size), hide world-readable files, or limit
 memory by resident size (RLIMIT_AS counts address space: runtimes that reserve large
 virtual areas, Go and the JVM, need a higher `memory_bytes`).
+
+That is the `process` backend, the default. Where a Docker engine answers, `backend:
+docker` runs each command in a `docker run --rm --network none` container instead, with
+the same directory mounted, the same limits (memory and pids as cgroup limits) and the same
+`ExecResult` (container.py); `check_backend` says whether the configured one can run here.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import TracebackType
@@ -40,15 +46,18 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from services.envs import confine
-from services.envs.execution import ExecResult, Execution, SandboxLimits
+from services.envs import confine, container
+from services.envs.container import DockerConfig, DockerUnavailable
+from services.envs.execution import ExecResult, Execution, SandboxLimits, ending
 from shared.errors import NextstateError
 
-__all__ = ["ExecResult", "Sandbox", "SandboxConfig", "SandboxError", "SandboxLimits", "SandboxUnavailable"]
+__all__ = ["ExecResult", "Sandbox", "SandboxConfig", "SandboxError", "SandboxLimits", "SandboxUnavailable",
+           "check_backend"]
 
 logger = logging.getLogger(__name__)
 
 Protection = Literal["network_isolated", "mounts_isolated", "pids_isolated", "uid_dropped"]
+Backend = Literal["process", "docker"]
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -76,6 +85,23 @@ class SandboxConfig(BaseModel):
     uid_base: int = Field(620_000, ge=1000)
     uid_count: int = Field(1000, ge=1)
     uid_lock_dir: Path | None = None
+    # process: a confined child process per command (above). docker: a `docker run --rm`
+    # container per command (container.py), where a Docker engine answers.
+    backend: Backend = "process"
+    docker: DockerConfig = DockerConfig()
+
+
+def check_backend(config: SandboxConfig) -> None:
+    """Raise `SandboxUnavailable` when `config`'s sandbox cannot run here: a required
+    protection missing (process backend), or no Docker engine answering (docker backend,
+    whose containers have no network and mount and pid namespaces of their own)."""
+    if config.backend == "docker":
+        try:
+            container.check_available(config.docker)
+        except DockerUnavailable as e:
+            raise SandboxUnavailable(str(e)) from e
+        return
+    check_required(config.require)
 
 
 def capabilities() -> dict[str, bool]:
@@ -105,7 +131,7 @@ class Sandbox:
     def __init__(self, config: SandboxConfig | None = None, *, limits: SandboxLimits | None = None) -> None:
         self.config = config or SandboxConfig()
         self.limits = limits or SandboxLimits()
-        check_required(self.config.require)
+        check_backend(self.config)
         caps = confine.probe()
         tmp = Path(tempfile.gettempdir())
         root = self.config.root or tmp / "nextstate-sandboxes"
@@ -132,6 +158,8 @@ class Sandbox:
             raise
         self._caps = caps
         self._readonly = confine.shared_writable_dirs() if caps.mounts_isolated else ()
+        self._containers_killed = False
+        self._removals: list[subprocess.Popen[bytes]] = []  # `docker rm -f` started by kills
         self._closed = False
         logger.debug("sandbox %s (uid %s)", self.path, self._lease.uid if self._lease else os.geteuid())
 
@@ -161,7 +189,7 @@ class Sandbox:
         except BaseException:
             ex.abort()
             raise
-        return _logged(argv, ex.result())
+        return self._finished(argv, ex.result())
 
     async def arun(self, argv: list[str], *, stdin: str | None = None, limits: SandboxLimits | None = None,
                    env: dict[str, str] | None = None) -> ExecResult:
@@ -198,7 +226,7 @@ class Sandbox:
                 ex.abort()
             raise
         self._unregister(loop, ex)
-        return _logged(argv, ex.result())
+        return self._finished(argv, ex.result())
 
     @staticmethod
     def _unregister(loop: asyncio.AbstractEventLoop, ex: Execution) -> None:
@@ -211,6 +239,8 @@ class Sandbox:
             raise SandboxError(f"sandbox {self.path} is closed")
         if not argv:
             raise ValueError("argv is empty")
+        if self.config.backend == "docker":
+            return self._start_container(argv, stdin, limits, env)
         plan = confine.Plan(
             workdir=str(self.path),
             network=self._caps.network_isolated,
@@ -243,6 +273,41 @@ class Sandbox:
         return Execution(proc, limits, stdin.encode() if stdin is not None else None, started, sweep,
                          pid_namespace=plan.pids)
 
+    def _start_container(self, argv: list[str], stdin: str | None, limits: SandboxLimits,
+                         env: dict[str, str] | None) -> Execution:
+        cfg = self.config.docker
+        name = container.container_name()
+        cmd = container.run_argv(cfg, argv, name=name, sandbox_id=self.path.name, workdir=str(self.path),
+                                 uid=self.uid, env=self._env(env), limits=limits, stdin=stdin is not None)
+        started = time.monotonic()
+        try:  # the docker CLI is the worker's own client: its environment, no confinement
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, cwd=self.path,
+                env=_client_env(), start_new_session=True, close_fds=True,
+            )
+        except OSError as e:
+            raise SandboxError(f"could not start the docker CLI {cmd[0]!r}: {e}") from e
+
+        def killed() -> None:  # a killed client leaves its container running
+            removal = container.remove(cfg, [name])
+            if removal is not None:
+                self._removals.append(removal)
+            self._containers_killed = True
+
+        return Execution(proc, limits, stdin.encode() if stdin is not None else None, started, None,
+                         pid_namespace=False, on_kill=killed)
+
+    def _finished(self, argv: list[str], result: ExecResult) -> ExecResult:
+        if self.config.backend == "docker":
+            failure = container.docker_failure(result.exit_code, result.stderr)
+            if failure is not None:
+                raise SandboxError(f"docker could not run {argv[0]!r} in {self.config.docker.image}: {failure}")
+            code = container.exit_code(result.exit_code)
+            if code != result.exit_code:
+                result = replace(result, exit_code=code, killed_by=result.killed_by or ending(code, result.stderr))
+        return _logged(argv, result)
+
     def _env(self, extra: dict[str, str] | None) -> dict[str, str]:
         """The command's whole environment: nothing inherited from the worker."""
         home = str(self.path)
@@ -256,6 +321,9 @@ class Sandbox:
         if self._closed:
             return
         self._closed = True
+        if self._containers_killed:  # the kills' removals done, and nothing of the episode left
+            container.finish(self.config.docker, self._removals)
+            container.remove_labelled(self.config.docker, self.path.name)
         if self._lease is not None:
             self._lease.release()
         shutil.rmtree(self.path, ignore_errors=True)
@@ -278,6 +346,13 @@ def _logged(argv: list[str], result: ExecResult) -> ExecResult:
     logger.debug("%s: exit %s%s in %.1f ms", argv[0], result.exit_code,
                  f" ({result.killed_by})" if result.killed_by else "", result.wall_ms)
     return result
+
+
+def _client_env() -> dict[str, str]:
+    """What the docker CLI needs of the worker's environment (its engine, its config)."""
+    keep = ("PATH", "HOME", "DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_CONFIG", "DOCKER_CERT_PATH",
+            "DOCKER_TLS_VERIFY", "DOCKER_API_VERSION")
+    return {k: os.environ[k] for k in keep if k in os.environ}
 
 
 def rlimits_for(limits: SandboxLimits, *, nproc: bool) -> tuple[tuple[int, int, int], ...]:

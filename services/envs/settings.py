@@ -13,6 +13,10 @@
     NEXTSTATE_ENVS__RETRIES=2                    rq retries of a failed episode, or of one whose worker died
     NEXTSTATE_ENVS__SANDBOX__ROOT=               where episode directories are made (services/envs/sandbox.py;
                                                  also __REQUIRE, __UID_BASE, __UID_COUNT, __UID_LOCK_DIR)
+    NEXTSTATE_ENVS__SANDBOX__BACKEND=process     process | docker: each tool execution in a confined child
+                                                 process, or in a `docker run --rm --network none` container
+                                                 (services/envs/container.py; __DOCKER__IMAGE=python:3.12-slim,
+                                                 __DOCKER__CPUS=1, __DOCKER__BINARY=docker, __DOCKER__PULL=missing)
     NEXTSTATE_ENVS__EVAL_ENGINES=["http://127.0.0.1:30001"]
                                                  evaluation engines this worker may run held-out
                                                  episodes against (the evaluator's `env:<name>`

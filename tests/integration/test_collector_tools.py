@@ -28,15 +28,9 @@ from tests.support.tool_model import (
     QUESTIONS,
     TOOL_RESULT,
     TOOLS,
-    build_tool_model,
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
 
 
 @pytest.fixture(scope="module")

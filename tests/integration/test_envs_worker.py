@@ -31,7 +31,7 @@ from shared.streams import Bus
 from tests.support.collector_harness import Turns, collector_process, engine_process, wait_ready
 from tests.support.servers import REPO, ServiceProcess, free_port, wait_until
 from tests.support.standin_policy import StandinPolicy
-from tests.support.tool_model import ANSWER, CALL_ARGS, TOOL_RESULT, build_tool_model
+from tests.support.tool_model import ANSWER, CALL_ARGS, TOOL_RESULT
 
 pytestmark = pytest.mark.integration
 
@@ -218,11 +218,6 @@ def test_the_ops_port_wants_the_internal_credential(start_worker: Callable[..., 
 
 
 # -- through the real collector and engine --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
 
 
 def test_episode_through_the_collector_and_engine(

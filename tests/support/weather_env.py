@@ -40,3 +40,27 @@ class WeatherEnv(Environment):
         last = (messages or [{}])[-1]
         said = str(last.get("content") or "") if last.get("role") == "assistant" else ""
         return Verdict.of("sunny" in said.lower(), cities=self.cities)
+
+
+class ScriptedWeatherEnv(WeatherEnv):
+    """WeatherEnv whose outcome the test scripts: the episode runs through the model as
+    usual, and `verify` returns the task's `data["reward"]` (so advantages can be computed
+    by hand). Each episode's task is enqueued whole (`task_json`), a group's members with
+    the same task id and different rewards. Loaded as `tests.support.weather_env:ScriptedWeatherEnv`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reward = 0.0
+
+    async def reset(self, task: Task, sandbox: Sandbox) -> list[Message]:
+        self.reward = float(task.data["reward"])
+        return await super().reset(task, sandbox)
+
+    async def verify(self, messages: Sequence[Message] | None = None) -> Verdict:
+        return Verdict(reward=self.reward, passed=self.reward >= 0.5, details={"cities": self.cities})
+
+
+def scripted_task(index: int, reward: float) -> Task:
+    """Task `weather-<index % 2>` whose episode's outcome reward will be `reward`."""
+    base = TASKS[index % len(TASKS)]
+    return base.model_copy(update={"env": "scripted-weather", "data": {"reward": reward}})
