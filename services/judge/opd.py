@@ -34,7 +34,7 @@ from services.judge.parsing import accepted_hint, extract_hint
 from services.judge.prompts import HINT_PROMPTS, judge_messages, prompt_for
 from services.judge.settings import JudgeConfig
 from services.judge.votes import cast_votes
-from shared.errors import EngineRejected
+from shared.errors import EngineNotSupported, EngineRejected
 from shared.schemas import Turn, Vote
 
 if TYPE_CHECKING:  # the engine client is imported only when OPD runs
@@ -118,8 +118,9 @@ class Teacher:
             logprobs = await self.engine.score(
                 prompt_ids + list(turn.response_ids), len(prompt_ids), temperature=self.temperature(turn)
             )
-        except EngineRejected as exc:
-            # 4xx (e.g. the teacher prompt exceeds the context): retrying cannot help.
+        except (EngineRejected, EngineNotSupported) as exc:
+            # 4xx (e.g. the teacher prompt exceeds the context), or an engine that cannot score
+            # at this temperature (vLLM re-scores at temperature 1 only): retrying cannot help.
             metrics.HINTS.labels("teacher_rejected").inc()
             log.warning("teacher scoring rejected; no teacher log-probs for this turn",
                         extra={"turn_id": turn.id, "error": str(exc)})  # fmt: skip
