@@ -9,6 +9,7 @@
     │   ├── ObjectNotFound     the key does not exist (S3 NoSuchKey)
     │   ├── NoCheckpoint       no LATEST / manifest where one was expected
     │   ├── CorruptCheckpoint  a LATEST, manifest or trainer state that is there but unreadable
+    │   │   └── IncompatibleCheckpoint  weights that do not fit the model the engine serves
     │   └── ChecksumMismatch   a downloaded file does not match its manifest
     └── EngineError            the inference engine
         ├── EngineUnavailable  cannot connect, or it answered 5xx
@@ -64,6 +65,11 @@ class CorruptCheckpoint(StoreError):
     says (a LATEST or manifest that does not parse, unsafe paths, an unreadable trainer
     state). The bucket answered, so retrying will not help: a reader skips that pointer
     or version. A bucket that does not answer is a plain `StoreError`."""
+
+
+class IncompatibleCheckpoint(CorruptCheckpoint):
+    """A version whose config or tensors do not fit the model the engine serves (another
+    architecture, other shapes): the engine must never be asked to load it."""
 
 
 class ChecksumMismatch(StoreError):
