@@ -13,6 +13,7 @@
     │   └── ChecksumMismatch   a downloaded file does not match its manifest
     └── EngineError            the inference engine
         ├── EngineUnavailable  cannot connect, or it answered 5xx
+        │   └── EngineDied     it stopped serving during an operation it was asked for
         ├── EngineTimeout      no answer within the timeout
         ├── EngineRejected     it answered 4xx: the request itself is wrong
         └── EngineNotSupported this engine does not offer the operation
@@ -82,6 +83,11 @@ class EngineError(NextstateError):
 
 class EngineUnavailable(EngineError):
     """The engine refused the connection or answered with a 5xx."""
+
+
+class EngineDied(EngineUnavailable):
+    """The engine was healthy, was asked for an operation (a weight reload), and is not
+    serving since: vLLM 0.32 dies of a `reload_weights` that fails. It must be restarted."""
 
 
 class EngineTimeout(EngineError):

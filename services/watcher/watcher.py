@@ -17,10 +17,10 @@ evaluation result arrives: the wait between passes blocks on `evals`):
    against the served model — vLLM dies of a reload that fails, so nothing unverified is
    ever sent), ask the engine to load it with `weight_version = str(version)`, and confirm
    what it serves. A version failing any step is refused and the next choice tried; the
-   engine keeps its weights meanwhile. An engine that is no longer healthy after a load
-   it was asked for is reported at once, at CRITICAL (the supervisor restarts it; the
-   version that broke it is held off like any refused one, and the restarted engine is
-   put back on the last good version by the next passes).
+   engine keeps its weights meanwhile. An engine that dies of a load it was asked for
+   (`EngineDied`: vLLM after a failed reload) is reported at once, at CRITICAL: the
+   supervisor restarts it, the version that broke it is held off like any refused one,
+   and the next passes put the restarted engine back on the last good version.
 4. Report (report.py): the `watcher-state` hash, `policy-version` = what the engine
    actually serves, metrics, `refused-versions`, and a `PolicyLoaded` on the `policy`
    stream for each load, with its cause (`new_version` or `reconcile`). `check_serving`
@@ -73,6 +73,7 @@ from shared.engine_client import EngineClient
 from shared.errors import (
     BusError,
     ChecksumMismatch,
+    EngineDied,
     EngineError,
     IncompatibleCheckpoint,
     NextstateError,
@@ -110,6 +111,7 @@ class Watcher:
     good: int | None = None  # the last version seen verified and served: kept when LATEST fails
     reference: Path | None = None  # the served model's folder, for compat.check_fits
     _no_reference_noted: bool = field(default=False, init=False)
+    _reached: bool = field(default=False, init=False)  # the engine answered the last pass
     state: WatcherState = field(init=False)
     refusals: Refusals = field(init=False)
     gate: Gate | None = field(init=False)  # the promotion gate, when enabled
@@ -187,9 +189,17 @@ class Watcher:
         try:
             served = await self.engine.weight_version()
         except EngineError as exc:
+            if self._reached:  # it answered until now: said at once, loudly, not only as a note
+                log.critical("THE ENGINE STOPPED ANSWERING; the collector answers 502 until it is back "
+                             "(nextstate up restarts it), then the last good version is put back",
+                             extra={"engine": self.cfg.engine_url, "last_good": self.good, "error": str(exc)[:300]})
+            self._reached = False
             self.state.observe(None)
             self._note(f"engine unreachable: {exc}")
             return False
+        if not self._reached:
+            log.info("engine answering", extra={"engine": self.cfg.engine_url, "serves": served})
+        self._reached = True
         self.state.observe(served)
         if self.good is None:  # a fresh watcher: what the engine serves is the last good version
             version = policy_version(served)
@@ -301,12 +311,8 @@ class Watcher:
             ok, message = await self.engine.update_weights(
                 self._engine_path(folder), str(version), abort_all_requests=self.cfg.abort_requests
             )
-        except EngineError as exc:
-            if await self.engine.health():
-                raise
-            ok, message = False, str(exc)
-        if not ok and not await self.engine.health():
-            await self._engine_died(version, message)
+        except EngineDied as exc:
+            await self._engine_died(version, str(exc))
             return None
         served = await self.engine.weight_version()
         self.state.observe(served)

@@ -28,10 +28,13 @@ vLLM with all of it; `nextstate up --engine vllm` does that):
 - update_weights: `VLLM_SERVER_DEV_MODE=1`: `/pause` → `/collective_rpc` `reload_weights`
   `{weights_path}` → `/reset_prefix_cache` → `/update_weight_version` → `/resume`, resumed
   on every path. A failed `reload_weights` in vLLM 0.32 does not leave it serving the old
-  weights: its engine core dies (the next request answers 500, then the server exits), so
-  only a folder verified in full may be sent (the watcher checks files, sizes, sha256 and
-  that the weights fit the running model first), and a failure says whether the engine
-  is still healthy. Without dev mode the endpoints answer 404: `EngineNotSupported`.
+  weights: it answers 500, drops the connection (a `/resume` sent on it never arrives: the
+  engine stays paused), and its model is left half-reloaded — the next generation kills
+  the engine core and the server exits. So only a folder verified in full may be sent
+  (the watcher checks files, sizes, sha256 and that the weights fit the running model
+  first); after a failure this client reloads the weights it loaded last (or the served
+  model's own) before it resumes, retries `/resume`, and raises `EngineDied` when vLLM
+  could not be put right. Without dev mode the endpoints answer 404: `EngineNotSupported`.
 - weight_version: `GET /weight_info` (dev mode); otherwise the version this client loaded.
 - auth: `api_key` goes out as `Authorization: Bearer` on every call. vLLM's own
   `--api-key` guards only `/v1`, `/v2`, `/inference`, `/cohere`; `python -m services.vllm`
@@ -40,6 +43,7 @@ vLLM with all of it; `nextstate up --engine vllm` does that):
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
@@ -53,7 +57,7 @@ from shared.engine_client.base import (
     check_score_range,
     split_sampling,
 )
-from shared.errors import EngineError, EngineNotSupported, EngineUnavailable
+from shared.errors import EngineDied, EngineError, EngineNotSupported, EngineUnavailable
 from shared.schemas import SamplingParams
 
 GENERATE = "/inference/v1/generate"
@@ -113,6 +117,7 @@ class VLLMClient(HTTPEngine):
         self.model = model
         self.default_max_tokens = default_max_tokens
         self._version = "0"
+        self._loaded: tuple[str, str] | None = None  # (weights path, version) of the last reload
 
     async def _model(self) -> str:
         if self.model is None:
@@ -276,20 +281,27 @@ class VLLMClient(HTTPEngine):
     async def update_weights(
         self, model_path: str, weight_version: str, *, abort_all_requests: bool = False
     ) -> tuple[bool, str]:
-        """Pause, reload from `model_path`, reset the prefix cache, set the version, resume —
-        resumed whatever happened after the pause. (False, why) when vLLM refused or broke;
-        the message says whether it is still healthy."""
+        """Pause, reload from `model_path`, reset the prefix cache, set the version, resume.
+
+        A reload that fails is put right before the resume: the weights this client loaded
+        last (its base model's at first, as version "0") are reloaded, so vLLM serves what it
+        did (a half-reloaded vLLM 0.32 dies of its next generation). Resumed on every path,
+        retried: vLLM drops the connection of a failed call. (False, why) when vLLM refused
+        and serves its weights again; `EngineDied` when it could not be put right, does not
+        resume, or is not healthy afterwards (it must be restarted)."""
         await self._dev("/pause", "pause", params={"mode": "abort" if abort_all_requests else "wait"})
+        restored = True
         try:
             ok, message = await self._reload(model_path, weight_version)
+            if not ok:
+                restored, note = await self._restore()
+                message += f"; {note}"
         finally:
-            resumed = await self._resume()
-        if resumed:
-            message += f"; resume failed: {resumed}"
-            ok = False
-        if not ok and not await self.health():
-            message += ("; vLLM is no longer healthy (a failed reload_weights kills its engine core): "
-                        "it must be restarted")
+            not_resumed = await self._resume()
+        if not_resumed:
+            message += f"; resume failed: {not_resumed}"
+        if not_resumed or not restored or (not ok and not await self._still_healthy()):
+            raise EngineDied(f"{message}; vLLM is no longer fit to serve: it must be restarted")
         return ok, message
 
     async def _reload(self, model_path: str, weight_version: str) -> tuple[bool, str]:
@@ -304,15 +316,46 @@ class VLLMClient(HTTPEngine):
         except EngineError as exc:
             return False, f"vLLM could not reload {model_path!r}: {exc}"
         self._version = weight_version
+        self._loaded = (model_path, weight_version)
         return True, f"reloaded {model_path!r} as version {weight_version}"
 
-    async def _resume(self) -> str:
-        """Resume generation; "" when it did, else why not (never raises)."""
+    async def _restore(self) -> tuple[bool, str]:
+        """Reload what this client loaded last (else the served model's own folder, version
+        "0"), after a failed reload; (done, what happened)."""
         try:
-            await self._dev("/resume", "resume")
-        except EngineError as exc:
-            return str(exc)
-        return ""
+            path, version = self._loaded or (str((await self.model_info())["model_path"]), "0")
+        except (EngineError, KeyError) as exc:
+            return False, f"could not find the weights to restore: {exc}"
+        for attempt in range(3):  # the failed call's connection is gone: the first try may meet it
+            ok, message = await self._reload(path, version)
+            if ok:
+                return True, f"restored {path!r} as version {version}"
+            await asyncio.sleep(0.2 * (attempt + 1))
+        return False, f"could not restore {path!r}: {message}"
+
+    async def _resume(self) -> str:
+        """Resume generation; "" when it did, else why not (never raises). Retried: resuming
+        twice is harmless, and the first try may meet a connection vLLM dropped."""
+        why = ""
+        for attempt in range(3):
+            try:
+                await self._dev("/resume", "resume")
+                return ""
+            except EngineNotSupported as exc:
+                return str(exc)
+            except EngineError as exc:
+                why = str(exc)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        return why
+
+    async def _still_healthy(self, checks: int = 3, every_s: float = 0.3) -> bool:
+        """`/health` answers 200 `checks` times in a row (a dying vLLM may answer once more)."""
+        for i in range(checks):
+            if i:
+                await asyncio.sleep(every_s)
+            if not await self.health():
+                return False
+        return True
 
     async def model_info(self) -> dict[str, Any]:
         data = await self.json("GET", "/v1/models")

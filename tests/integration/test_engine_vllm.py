@@ -6,9 +6,9 @@ The stand-in speaks the subset of vLLM's API the client uses — `/inference/v1/
 `/v1/models`, `/health`, and the development-mode endpoints (`/pause`, `/resume`,
 `/collective_rpc`, `/reset_prefix_cache`, `/update_weight_version`, `/weight_info`) — with a
 deterministic toy "model". It behaves as the real server does where these tests depend on
-it: vLLM's first version is "default", and a `reload_weights` that fails kills the engine
-(every later request answers 500, `/health` 503), it does not answer a clean error and
-carry on. tests/integration/test_vllm_real.py runs the same client against the real vLLM.
+it: vLLM's first version is "default", and a `reload_weights` that fails answers 500 and
+leaves the model half-reloaded: the next generation kills the engine (that request and
+every later one answer 500, `/health` 503) unless a reload that works comes first. tests/integration/test_vllm_real.py runs the same client against the real vLLM.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.ctl.infra import free_port
 from shared.engine_client import EngineNotSupported, VLLMClient, join_stream
-from shared.errors import EngineRejected, EngineUnavailable
+from shared.errors import EngineDied, EngineRejected, EngineUnavailable
 from shared.schemas import SamplingParams
 from shared.telemetry import embedded_server
 from tests.support.servers import wait_until
@@ -48,7 +48,8 @@ class FakeVLLM:
     offset: int = 0
     version: str = "default"
     paused: str | None = None
-    dead: bool = False  # a failed reload_weights killed the engine core
+    poisoned: bool = False  # a reload_weights failed: the model is half-reloaded
+    dead: bool = False  # a generation on a half-reloaded model killed the engine core
     requests: list[dict[str, Any]] = field(default_factory=list)
     client_ports: set[int] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
@@ -118,6 +119,9 @@ def fake_app(fake: FakeVLLM) -> FastAPI:
         assert body["output_mode"] == "text"
         if params.get("max_tokens", 1) < 1:
             return JSONResponse({"error": {"message": "max_tokens must be at least 1", "type": "BadRequestError", "code": 400}}, status_code=400)
+        if fake.poisoned:
+            fake.dead = True
+            return JSONResponse(DEAD, status_code=500)
         toks = completion(fake, params, prompt)
 
         def choice(items: list[dict[str, Any]], finish: str | None, stop_reason: Any, last: bool) -> dict[str, Any]:
@@ -173,11 +177,14 @@ def fake_app(fake: FakeVLLM) -> FastAPI:
         body = await request.json()
         assert body["method"] == "reload_weights" and fake.paused is not None
         path = Path(body["kwargs"]["weights_path"])
+        if str(path) == "/models/toy":  # the served model's own folder
+            fake.offset, fake.poisoned = 0, False
+            return JSONResponse({"results": [None]})
         if not (path / "config.json").is_file():
-            fake.dead = True  # as vLLM 0.32: the worker's exception takes the engine core down
+            fake.poisoned = True  # as vLLM 0.32: half-reloaded, the next generation kills it
             msg = f"Call to collective_rpc method failed: Worker failed with error 'no weights at {path}'"
             return JSONResponse({"error": {"message": msg, "type": "InternalServerError", "code": 500}}, status_code=500)
-        fake.offset = json.loads((path / "config.json").read_text())["offset"]
+        fake.offset, fake.poisoned = json.loads((path / "config.json").read_text())["offset"], False
         return JSONResponse({"results": [None]})
 
     @app.post("/reset_prefix_cache")
@@ -268,19 +275,51 @@ async def test_update_weights_drives_the_dev_mode_endpoints(vllm: tuple[FakeVLLM
     assert reload_calls == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
 
 
-async def test_a_failed_reload_is_resumed_and_reported_with_the_engine_dead(vllm: tuple[FakeVLLM, str], tmp_path: Path) -> None:
-    """vLLM 0.32 does not survive a reload_weights that raises: the client still resumes,
-    says the engine is no longer healthy, and the next generation fails fast (no hang)."""
+def checkpoint(root: Path, offset: int) -> Path:
+    folder = root / f"v{offset}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"offset": offset}))
+    return folder
+
+
+async def test_a_failed_reload_puts_the_last_weights_back_and_resumes(vllm: tuple[FakeVLLM, str], tmp_path: Path) -> None:
+    """vLLM 0.32 is left half-reloaded by a reload that fails, and dies of its next generation:
+    the client reloads what it loaded last before it resumes, so the engine serves on."""
     fake, url = vllm
     async with VLLMClient(url, timeout=10) as client:
+        ok, msg = await client.update_weights(str(checkpoint(tmp_path, 5)), "5")
+        assert ok, msg
+        before = await client.generate([1], SamplingParams(max_tokens=4))
+        fake.calls.clear()
         ok, msg = await client.update_weights(str(tmp_path / "missing"), "6")
-        assert not ok and "could not reload" in msg and "no longer healthy" in msg, msg
-        assert not await client.health()
+        assert not ok and "could not reload" in msg and "restored" in msg and "as version 5" in msg, msg
+        after = await client.generate([1], SamplingParams(max_tokens=4))
+        assert (after.output_ids, after.weight_version) == (before.output_ids, "5")
+        assert await client.health() and fake.paused is None
+    assert [c for c in fake.calls if c in DEV_ROUTES and c != "/weight_info"] == [
+        "/pause", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+
+
+async def test_a_fresh_client_puts_the_served_models_own_weights_back(vllm: tuple[FakeVLLM, str], tmp_path: Path) -> None:
+    _, url = vllm
+    async with VLLMClient(url, timeout=10) as client:
+        ok, msg = await client.update_weights(str(tmp_path / "missing"), "6")
+        assert not ok and "restored '/models/toy' as version 0" in msg, msg
+        assert (await client.generate([1], SamplingParams(max_tokens=2))).weight_version == "0"
+
+
+async def test_a_reload_that_cannot_be_put_right_is_engine_died_and_still_resumed(vllm: tuple[FakeVLLM, str], tmp_path: Path) -> None:
+    fake, url = vllm
+    async with VLLMClient(url, timeout=10) as client:
+        v5 = checkpoint(tmp_path, 5)
+        assert (await client.update_weights(str(v5), "5"))[0]
+        (v5 / "config.json").unlink()  # what it loaded last is gone too
+        with pytest.raises(EngineDied, match=r"could not reload .*could not restore .*must be restarted"):
+            await client.update_weights(str(tmp_path / "missing"), "6")
+        assert fake.paused is None  # resumed: requests fail fast rather than wait on a paused engine
         with pytest.raises(EngineUnavailable, match="EngineCore"):
             await client.generate([1], SamplingParams(max_tokens=2))
-    reload_calls = [c for c in fake.calls if c in ("/pause", "/collective_rpc", "/update_weight_version", "/resume")]
-    assert reload_calls == ["/pause", "/collective_rpc", "/resume"]  # resumed even on failure
-    assert fake.version == "default"
+        assert not await client.health()
 
 
 async def test_without_dev_mode_reload_is_not_supported(vllm: tuple[FakeVLLM, str]) -> None:

@@ -8,7 +8,10 @@ on the spot, started as `nextstate up --engine vllm` starts it, with the interna
 - the watcher (a real process) hot-reloads a checkpoint the trainer's code trained: the next
   response carries its version and different log-probs; a corrupt and an incompatible
   version are refused without the engine being asked to load anything (vLLM's access log
-  shows one reload only), and the engine keeps serving the good one.
+  shows one reload only), and the engine keeps serving the good one;
+- a reload that fails in vLLM (a folder that is not there) answers 500 and leaves vLLM
+  half-reloaded — it would die of its next generation: the client puts the weights it
+  loaded last back before it resumes, and vLLM serves exactly what it served before.
 """
 
 from __future__ import annotations
@@ -176,6 +179,19 @@ def trained(model: Path, dest: Path) -> Path:
     return dest
 
 
+def recomputed_gap(folder: Path, prompt: list[int], ids: list[int], logprobs: list[float]) -> float:
+    """The largest gap between an engine's log-probs of `ids` (temperature 1) and the trainer's
+    on `folder`'s weights."""
+    sample = TrainSample(session_id="s", tokens=prompt + ids, response_length=len(ids), loss_mask=[1] * len(ids),
+                         reward=1.0, rollout_logprobs=logprobs, temperature=1.0)  # fmt: skip
+    mb = collate([sample], "rl")
+    assert mb is not None
+    with torch.no_grad():
+        ours = window_logprobs(load_causal_lm(folder, torch.device("cpu"), torch.float32), mb)
+    m = mb.mask.bool()
+    return float((ours[m] - mb.old_logprobs[m]).abs().max().item())
+
+
 def test_the_watcher_hot_reloads_a_trained_version_and_refuses_bad_ones(
     vllm: VLLMServer, model: Path, s3_env: dict[str, str], tmp_path: Path, redis_url: str,
 ) -> None:  # fmt: skip
@@ -187,11 +203,14 @@ def test_the_watcher_hot_reloads_a_trained_version_and_refuses_bad_ones(
     async def sample() -> tuple[str, list[float]]:
         async with client(vllm) as engine:
             res = await join_stream(engine.stream(prompt, sampling))
+            ids.append(res.output_ids)
             return res.weight_version, res.output_logprobs
 
+    ids: list[list[int]] = []
     version0, before = asyncio.run(sample())
     reloads_before = vllm.count("POST /collective_rpc")
-    ckpt.publish_checkpoint(bucket, run, 1, trained(model, tmp_path / "v1"), step=1)
+    v1 = trained(model, tmp_path / "v1")
+    ckpt.publish_checkpoint(bucket, run, 1, v1, step=1)
     watcher = ServiceProcess("watcher", {
         **s3_env, "NEXTSTATE_INTERNAL__TOKEN": TOKEN, "NEXTSTATE_WATCHER__ENGINE_KIND": "vllm",
         "NEXTSTATE_WATCHER__ENGINE_URL": vllm.url, "NEXTSTATE_WATCHER__LOCAL_DIR": str(tmp_path / "local"),
@@ -207,6 +226,7 @@ def test_the_watcher_hot_reloads_a_trained_version_and_refuses_bad_ones(
         assert (version0, version1) == ("0", "1")
         assert max(abs(a - b) for a, b in zip(before, after, strict=False)) > 1e-3, "the output did not change"
         assert vllm.count("POST /collective_rpc") == reloads_before + 1
+        assert recomputed_gap(v1, prompt, ids[-1], after) < 1e-4  # the reloaded weights are v1's, whole
 
         # v2: a shard whose bytes differ from its manifest; v3: a model of other shapes.
         bad = trained(model, tmp_path / "v2")
@@ -228,3 +248,25 @@ def test_the_watcher_hot_reloads_a_trained_version_and_refuses_bad_ones(
         assert [e.version for e in loaded()] == [1]
     finally:
         assert watcher.stop() in (0, None), watcher.logs()
+
+
+def test_a_failed_reload_leaves_vllm_serving_what_it_served(vllm: VLLMServer, model: Path, tmp_path: Path) -> None:
+    prompt, sampling = [301, 12, 77, 410, 260, 9], SamplingParams(temperature=1.0, max_tokens=8, seed=9)
+    good = trained(model, tmp_path / "good")
+
+    async def scenario() -> None:
+        async with client(vllm) as engine:
+            ok, message = await engine.update_weights(str(good), "41")
+            assert ok, message
+            before = await engine.generate(prompt, sampling)
+            failures = vllm.count("POST /collective_rpc", 500)
+            ok, message = await engine.update_weights(str(tmp_path / "no-such-version"), "42")
+            assert not ok and "could not reload" in message and "as version 41" in message, message
+            assert vllm.count("POST /collective_rpc", 500) == failures + 1  # vLLM did fail it
+            for _ in range(3):  # a half-reloaded vLLM would die of the first of these
+                again = await engine.generate(prompt, sampling)
+                assert (again.output_ids, again.weight_version) == (before.output_ids, "41")
+                assert max(abs(a - b) for a, b in zip(again.output_logprobs, before.output_logprobs, strict=True)) < 1e-5
+            assert await engine.weight_version() == "41" and await engine.health()
+
+    asyncio.run(scenario())

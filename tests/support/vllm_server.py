@@ -76,9 +76,11 @@ class VLLMServer:
         except OSError:
             return ""
 
-    def count(self, request_line: str) -> int:
-        """How often the access log shows `request_line` (e.g. 'POST /collective_rpc')."""
-        return self.log_path.read_text(errors="replace").count(f'"{request_line} HTTP')
+    def count(self, request: str, status: int | None = None) -> int:
+        """How often the access log shows `request` ('POST /collective_rpc'), with `status`
+        when given."""
+        line = f'"{request} HTTP/1.1" {status}' if status is not None else f'"{request} HTTP'
+        return self.log_path.read_text(errors="replace").count(line)
 
     def stop(self, timeout: float = 30) -> None:
         if self.proc is None:
