@@ -49,6 +49,7 @@ class FakeVLLM:
     version: str = "default"
     paused: str | None = None
     poisoned: bool = False  # a reload_weights failed: the model is half-reloaded
+    broken_reloads: bool = False  # every reload_weights fails (the restore too)
     dead: bool = False  # a generation on a half-reloaded model killed the engine core
     requests: list[dict[str, Any]] = field(default_factory=list)
     client_ports: set[int] = field(default_factory=set)
@@ -177,6 +178,9 @@ def fake_app(fake: FakeVLLM) -> FastAPI:
         body = await request.json()
         assert body["method"] == "reload_weights" and fake.paused is not None
         path = Path(body["kwargs"]["weights_path"])
+        if fake.broken_reloads:
+            fake.poisoned = True
+            return JSONResponse({"error": {"message": "Worker failed", "type": "InternalServerError", "code": 500}}, status_code=500)
         if str(path) == "/models/toy":  # the served model's own folder
             fake.offset, fake.poisoned = 0, False
             return JSONResponse({"results": [None]})
@@ -345,3 +349,37 @@ async def test_requests_share_one_pooled_connection(vllm: tuple[FakeVLLM, str]) 
         with pytest.raises(EngineRejected, match="max_tokens"):
             await client.generate([1], SamplingParams(max_tokens=0))
     assert len(fake.client_ports) <= 4  # never a connection per request
+
+
+def test_the_watcher_reports_an_engine_that_dies_of_a_reload_loudly(
+    vllm: tuple[FakeVLLM, str], s3_env: dict[str, str], redis_url: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    """A verified version whose reload vLLM cannot complete, nor be put right after: the
+    watcher (a real process) logs CRITICAL, refuses the version as `engine-died`, and the
+    client resumed vLLM (no request is left waiting on a paused engine)."""
+    import redis
+
+    from shared import checkpoints as ckpt
+    from shared.store import Bucket
+    from tests.conftest import settings_from
+    from tests.support.servers import ServiceProcess
+
+    fake, url = vllm
+    fake.broken_reloads = True
+    run, prefix = s3_env["NEXTSTATE_RUN"], s3_env["NEXTSTATE_REDIS__PREFIX"]
+    folder = checkpoint(tmp_path, 7)
+    ckpt.publish_checkpoint(Bucket(settings_from(s3_env).bucket), run, 1, folder, step=1)
+    watcher = ServiceProcess("watcher", {
+        **s3_env, "NEXTSTATE_WATCHER__ENGINE_KIND": "vllm", "NEXTSTATE_WATCHER__ENGINE_URL": url,
+        "NEXTSTATE_WATCHER__LOCAL_DIR": str(tmp_path / "local"), "NEXTSTATE_WATCHER__POLL_INTERVAL_S": "0.3",
+        "NEXTSTATE_WATCHER__PORT": str(free_port()),
+    }).start()  # fmt: skip
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        wait_until(lambda: "1" in r.hgetall(f"{prefix}:refused-versions"), 60, "v1 refused")
+        assert "engine-died" in r.hgetall(f"{prefix}:refused-versions")["1"]
+        wait_until(lambda: "CRITICAL" in watcher.logs(100_000), 10, "the CRITICAL line")
+        assert "THE ENGINE IS DOWN" in watcher.logs(100_000)
+        assert fake.paused is None and "/resume" in fake.calls
+    finally:
+        assert watcher.stop() in (0, None), watcher.logs()
