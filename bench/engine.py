@@ -10,7 +10,16 @@
    and with each request stepping alone (`NEXTSTATE_ENGINE__BATCH_DECODE=false`, the
    baseline, same script): the ratio is what batching buys.
 
+3. `--engine vllm`: the real vLLM (its CPU build, `make vllm`) against our CPU engine in the
+   same run, one engine at a time, with the same thread count (`--threads`, default 1) and
+   the same client code: tokens/s of one request and of `--concurrency` concurrent ones,
+   and the reload time, commit → serving: a version published to the bucket (SeaweedFS)
+   until the engine answers with it, through the real watcher (download, full verification,
+   load), median of `--reloads`, with the watcher's breakdown. Default model: the cached
+   SmolLM2 (converted once by `nextstate up`'s default-model code).
+
     python bench/engine.py [--calls 300] [--model DIR] [--concurrency 8] [--tokens 128]
+    python bench/engine.py --engine vllm [--model DIR] [--threads 1] [--reloads 3]
 """
 
 from __future__ import annotations
@@ -31,10 +40,14 @@ import httpx
 from fastapi import FastAPI
 
 from services.ctl.infra import free_port
-from shared.engine_client import SGLangClient
-from shared.schemas import SamplingParams
+from shared import checkpoints as ckpt
+from shared.engine_client import SGLangClient, make_engine_client
+from shared.schemas import PolicyLoaded, SamplingParams
+from shared.settings import Settings
+from shared.store import Bucket
 from shared.telemetry import embedded_server
-from tests.support.servers import ServiceProcess, wait_until
+from shared.vllm_engine import EngineChoice, VLLMLaunch
+from tests.support.servers import RedisServer, S3Server, ServiceProcess, wait_until
 from tests.support.tiny_model import build_tiny_model
 
 N_OUT = 64
@@ -94,9 +107,10 @@ async def client_overhead(url: str, calls: int) -> None:
           f"new client per call p50 {p50_ms(fresh):.2f} ms")  # fmt: skip
 
 
-async def engine_throughput(url: str, concurrency: int, tokens: int) -> tuple[float, float]:
+async def engine_throughput(url: str, concurrency: int, tokens: int, kind: str = "sglang",
+                            token: str | None = None) -> tuple[float, float]:
     sampling = {"temperature": 1.0, "max_tokens": tokens, "ignore_eos": True}
-    async with SGLangClient(url, timeout=600) as client:
+    async with make_engine_client(kind, url, timeout=600, api_key=token) as client:
         await client.generate(PROMPT[:20], {**sampling, "max_tokens": 8})
         t = time.perf_counter()
         one = await client.generate(PROMPT[:20], {**sampling, "seed": 1})
@@ -120,13 +134,105 @@ def run_engine(model: Path, batch: bool, concurrency: int, tokens: int) -> tuple
         proc.stop()
 
 
+TOKEN = "bench-engine-internal-token"
+
+
+def reload_times(kind: str, url: str, model: Path, work: Path, reloads: int) -> tuple[list[float], list[PolicyLoaded]]:
+    """Commit → serving through the real watcher: publish `model` as versions 1..reloads and
+    time each LATEST commit until the engine reports that version."""
+    s3, rds = S3Server().start(), RedisServer().start()
+    env = {**s3.env(), "NEXTSTATE_REDIS__URL": rds.url, "NEXTSTATE_REDIS__PREFIX": "bench",
+           "NEXTSTATE_RUN": f"bench-{kind}", "NEXTSTATE_INTERNAL__TOKEN": TOKEN}
+    settings = Settings(run=f"bench-{kind}", redis={"url": rds.url, "prefix": "bench"},
+                        bucket={"endpoint": s3.endpoint, "access_key": s3.access_key,
+                                "secret_key": s3.secret_key, "name": s3.bucket})
+    watcher = ServiceProcess("watcher", {
+        **env, "NEXTSTATE_WATCHER__ENGINE_URL": url, "NEXTSTATE_WATCHER__ENGINE_KIND": kind,
+        "NEXTSTATE_WATCHER__POLL_INTERVAL_S": "0.2", "NEXTSTATE_WATCHER__LOCAL_DIR": str(work / f"ckpts-{kind}"),
+        "NEXTSTATE_WATCHER__BASE_MODEL": str(model), "NEXTSTATE_WATCHER__PORT": str(free_port()),
+    })  # fmt: skip
+    times: list[float] = []
+    try:
+        watcher.start()
+
+        async def version() -> str:
+            async with make_engine_client(kind, url, timeout=30, api_key=TOKEN) as client:
+                return await client.weight_version()
+
+        with Bucket(settings.bucket) as bucket:
+            for v in range(1, reloads + 1):
+                ckpt.publish_checkpoint(bucket, settings.run, v, model, step=v)
+                committed = ckpt.read_latest(bucket, settings.run)
+                assert committed is not None and committed.version == v
+                wait_until(lambda v=v: asyncio.run(version()) == str(v), 600, f"{kind} serving v{v}", interval=0.05)
+                times.append(time.time() - committed.committed_at)
+        import redis
+
+        r = redis.Redis.from_url(rds.url, decode_responses=True)
+        loaded = [PolicyLoaded.from_json(f["data"]) for _, f in r.xrange("bench:policy")]
+        return times, loaded
+    finally:
+        watcher.stop()
+        rds.close()
+        s3.close()
+
+
+def compare_with_vllm(model: Path, threads: int, concurrency: int, tokens: int, reloads: int) -> None:
+    """Our CPU engine, then vLLM, on the same model, threads and client code."""
+    vllm = VLLMLaunch.from_choice(EngineChoice(threads=threads, max_running=max(concurrency, 8)))
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("ours", "vllm"):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            if kind == "ours":
+                proc: Any = ServiceProcess("engine", env={
+                    "NEXTSTATE_ENGINE__THREADS": str(threads), "NEXTSTATE_ENGINE__MAX_RUNNING": str(concurrency),
+                    "NEXTSTATE_INTERNAL__TOKEN": TOKEN}, args=["--model", str(model), "--port", str(port)])  # fmt: skip
+                started = time.perf_counter()
+                proc.start().wait_http(f"{url}/health", timeout=600)
+            else:
+                from tests.support.vllm_server import VLLMServer
+
+                proc = VLLMServer(model, Path(tmp) / "vllm.log", vllm, token=TOKEN, port=port)
+                started = time.perf_counter()
+                proc.start(timeout=600)
+            ready_s = time.perf_counter() - started
+            client_kind = "sglang" if kind == "ours" else "vllm"
+            try:
+                single, agg = asyncio.run(engine_throughput(url, concurrency, tokens, client_kind, TOKEN))
+                times, loaded = reload_times(client_kind, url, model, Path(tmp), reloads)
+            finally:
+                proc.stop()
+            rows[kind] = (ready_s, single, agg, times, loaded)
+    print(f"engine comparison ({model.name}, {tokens} tokens each, {threads} thread(s), same client code):")
+    for kind, (ready_s, single, agg, times, loaded) in rows.items():
+        dl = statistics.median(p.download_s for p in loaded)
+        load = statistics.median(p.load_s for p in loaded)
+        print(f"  {kind:<5} ready in {ready_s:5.1f}s | one request {single:6.1f} tok/s | {concurrency} concurrent "
+              f"{agg:6.1f} tok/s total | reload commit->serving median {statistics.median(times):.2f}s "
+              f"(watcher: download+verify {dl:.2f}s, engine load {load:.2f}s; {len(times)} reloads)")
+    (_, s0, a0, _, _), (_, s1, a1, _, _) = rows["ours"], rows["vllm"]
+    print(f"  vllm / ours: one request {s1 / s0:.2f}x, {concurrency} concurrent {a1 / a0:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["cpu", "vllm"], default="cpu",
+                    help="vllm: compare the real vLLM with our engine (throughput and reload time)")
+    ap.add_argument("--threads", type=int, default=1, help="--engine vllm: threads of each engine")
+    ap.add_argument("--reloads", type=int, default=3, help="--engine vllm: versions published per engine")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--model", type=Path, help="HF folder (default: the tiny test model)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
+    if args.engine == "vllm":
+        from services.ctl.models import ensure_default_model
+
+        compare_with_vllm(args.model or ensure_default_model(), args.threads, args.concurrency, args.tokens,
+                          args.reloads)
+        return
     url, server = canned_server()
     try:
         asyncio.run(client_overhead(url, args.calls))

@@ -9,9 +9,11 @@
     │   ├── ObjectNotFound     the key does not exist (S3 NoSuchKey)
     │   ├── NoCheckpoint       no LATEST / manifest where one was expected
     │   ├── CorruptCheckpoint  a LATEST, manifest or trainer state that is there but unreadable
+    │   │   └── IncompatibleCheckpoint  weights that do not fit the model the engine serves
     │   └── ChecksumMismatch   a downloaded file does not match its manifest
     └── EngineError            the inference engine
         ├── EngineUnavailable  cannot connect, or it answered 5xx
+        │   └── EngineDied     it stopped serving during an operation it was asked for
         ├── EngineTimeout      no answer within the timeout
         ├── EngineRejected     it answered 4xx: the request itself is wrong
         └── EngineNotSupported this engine does not offer the operation
@@ -66,6 +68,11 @@ class CorruptCheckpoint(StoreError):
     or version. A bucket that does not answer is a plain `StoreError`."""
 
 
+class IncompatibleCheckpoint(CorruptCheckpoint):
+    """A version whose config or tensors do not fit the model the engine serves (another
+    architecture, other shapes): the engine must never be asked to load it."""
+
+
 class ChecksumMismatch(StoreError):
     """A downloaded file's size or sha256 differs from the manifest."""
 
@@ -76,6 +83,11 @@ class EngineError(NextstateError):
 
 class EngineUnavailable(EngineError):
     """The engine refused the connection or answered with a 5xx."""
+
+
+class EngineDied(EngineUnavailable):
+    """The engine was healthy, was asked for an operation (a weight reload), and is not
+    serving since: vLLM 0.32 dies of a `reload_weights` that fails. It must be restarted."""
 
 
 class EngineTimeout(EngineError):

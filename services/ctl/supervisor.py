@@ -5,7 +5,9 @@ ready, whether it is on the serving path); `Supervisor.start` launches them one 
 each only once the previous answers ready. Degrade, never fall:
 
 - A process that exits is restarted, forever, after a capped exponential backoff with
-  jitter (`Backoff`); the count starts over once it stayed up `stable_s`. A run of quick
+  jitter (`Backoff`); the count starts over once it stayed up `stable_s`. What it left
+  running in its process group is killed first (`exit_of`: vLLM's engine core outlives a
+  killed API server and holds its output pipe). A run of quick
   exits is a *crash loop*: said once, loudly, and once more when it recovers.
 - At start, a serving-path process (Redis, bucket, engine, collector) that cannot become
   ready is an error (`ProcessFailed`): there would be nothing to serve. Any other one is
@@ -134,6 +136,26 @@ class Proc:
 
 class ProcessFailed(RuntimeError):
     pass
+
+
+async def exit_of(proc: asyncio.subprocess.Process, poll_s: float = 0.5) -> int:
+    """`proc`'s exit status once it exits. `proc.wait()` alone also waits for its output pipe
+    to close, which a child it left behind keeps open (vLLM's engine core, when the API
+    server is killed): once the process itself is gone, the rest of its process group (its
+    own session, see `_spawn`) is killed too, so that it can be restarted."""
+    waiting = asyncio.ensure_future(proc.wait())
+    try:
+        while not waiting.done():
+            if proc.returncode is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(waiting), 10)
+                return proc.returncode
+            await asyncio.wait({waiting}, timeout=poll_s)
+        return waiting.result()
+    finally:
+        waiting.cancel()
 
 
 class Supervisor:
@@ -353,7 +375,7 @@ class Supervisor:
     async def _until_exit(self, p: Proc, proc: asyncio.subprocess.Process) -> int:
         """Wait for `proc` to exit; meanwhile see it ready, and forgive its past failures
         once it stayed up `stable_s`."""
-        exited = asyncio.ensure_future(proc.wait())
+        exited = asyncio.ensure_future(exit_of(proc))
         try:
             while p.ready is not None and not p.ready_now and proc.returncode is None:
                 try:
@@ -414,12 +436,12 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(proc.wait(), grace_s)
+                    await asyncio.wait_for(exit_of(proc), grace_s)
                 except TimeoutError:
                     self.say("up", f"{p.name} did not stop in {grace_s:.0f}s; killing it")
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
-                    await proc.wait()
+                    await exit_of(proc)
             if proc is not None and proc.returncode is not None:
                 p.last_exit = exit_status(proc.returncode)
             self._set(p, "stopped")

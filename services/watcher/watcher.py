@@ -12,9 +12,15 @@ evaluation result arrives: the wait between passes blocks on `evals`):
 3. Whenever the engine serves something else — a new LATEST, a rollback, an engine that
    restarted on its base weights, a lost reload, weights someone else loaded — install the
    version (a complete local copy is used as is, without the bucket; otherwise download
-   into staging, check every sha256, rename), `/update_weights_from_disk` with
-   `weight_version = str(version)`, and confirm through `/model_info`. A version failing
-   any step is refused and the next choice tried; the engine keeps its weights meanwhile.
+   into staging, check every sha256, rename), verify the folder in full right before the
+   load (compat.py: every file's size and sha256 again, and config and tensor shapes
+   against the served model — vLLM dies of a reload that fails, so nothing unverified is
+   ever sent), ask the engine to load it with `weight_version = str(version)`, and confirm
+   what it serves. A version failing any step is refused and the next choice tried; the
+   engine keeps its weights meanwhile. An engine that dies of a load it was asked for
+   (`EngineDied`: vLLM after a failed reload) is reported at once, at CRITICAL: the
+   supervisor restarts it, the version that broke it is held off like any refused one,
+   and the next passes put the restarted engine back on the last good version.
 4. Report (report.py): the `watcher-state` hash, `policy-version` = what the engine
    actually serves, metrics, `refused-versions`, and a `PolicyLoaded` on the `policy`
    stream for each load, with its cause (`new_version` or `reconcile`). `check_serving`
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +48,7 @@ from typing import Literal
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from services.watcher.compat import verify_folder
 from services.watcher.gate import Gate
 from services.watcher.report import (
     DOWNLOAD_SECONDS,
@@ -62,7 +70,15 @@ from services.watcher.target import (
 )
 from shared import checkpoints as ckpt
 from shared.engine_client import EngineClient
-from shared.errors import BusError, ChecksumMismatch, EngineError, NextstateError, StoreError
+from shared.errors import (
+    BusError,
+    ChecksumMismatch,
+    EngineDied,
+    EngineError,
+    IncompatibleCheckpoint,
+    NextstateError,
+    StoreError,
+)
 from shared.schemas import CheckpointManifest, PolicyLoaded
 from shared.store import AsyncBucket, Bucket
 from shared.streams import Bus
@@ -93,6 +109,9 @@ class Watcher:
     engine: EngineClient
     bus: Bus
     good: int | None = None  # the last version seen verified and served: kept when LATEST fails
+    reference: Path | None = None  # the served model's folder, for compat.check_fits
+    _no_reference_noted: bool = field(default=False, init=False)
+    _reached: bool = field(default=False, init=False)  # the engine answered the last pass
     state: WatcherState = field(init=False)
     refusals: Refusals = field(init=False)
     gate: Gate | None = field(init=False)  # the promotion gate, when enabled
@@ -170,9 +189,17 @@ class Watcher:
         try:
             served = await self.engine.weight_version()
         except EngineError as exc:
+            if self._reached:  # it answered until now: said at once, loudly, not only as a note
+                log.critical("THE ENGINE STOPPED ANSWERING; the collector answers 502 until it is back "
+                             "(nextstate up restarts it), then the last good version is put back",
+                             extra={"engine": self.cfg.engine_url, "last_good": self.good, "error": str(exc)[:300]})
+            self._reached = False
             self.state.observe(None)
             self._note(f"engine unreachable: {exc}")
             return False
+        if not self._reached:
+            log.info("engine answering", extra={"engine": self.cfg.engine_url, "serves": served})
+        self._reached = True
         self.state.observe(served)
         if self.good is None:  # a fresh watcher: what the engine serves is the last good version
             version = policy_version(served)
@@ -237,12 +264,39 @@ class Watcher:
         run = self.settings.run
         key = latest.pointer.manifest if latest.pointer and latest.version == version \
             else ckpt.manifest_key(run, version)
+        folder = None
         try:
-            return await self.bucket.run(install, self.bucket.sync, self.cfg.local_dir, run, version, key)
+            folder = await self.bucket.run(install, self.bucket.sync, self.cfg.local_dir, run, version, key)
+            await self.bucket.run(verify_folder, folder, await self._reference())
+            return folder
         except ChecksumMismatch as exc:
             await self._refuse(version, "checksum", str(exc))
+        except IncompatibleCheckpoint as exc:
+            await self._refuse(version, "incompatible", str(exc))
         except StoreError as exc:
             await self._refuse(version, "download", str(exc))
+        if folder is not None:  # a retry downloads it again rather than reuse a bad local copy
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+        return None
+
+    async def _reference(self) -> Path | None:
+        """The served model's folder: NEXTSTATE_WATCHER__BASE_MODEL, else the engine's
+        model path when this machine has it; None (noted once) when neither is at hand."""
+        if self.reference is not None:
+            return self.reference
+        candidates = [self.cfg.base_model] if self.cfg.base_model else []
+        try:
+            candidates.append(str((await self.engine.model_info()).get("model_path") or ""))
+        except EngineError:
+            pass
+        for c in candidates:
+            if c and (Path(c) / "config.json").is_file():
+                self.reference = Path(c)
+                return self.reference
+        if not self._no_reference_noted:
+            self._no_reference_noted = True
+            log.warning("no folder of the served model to check versions against: files and sha256 "
+                        "are verified, config and tensor shapes are not (set NEXTSTATE_WATCHER__BASE_MODEL)")
         return None
 
     async def _load(self, version: int, latest: Latest) -> PolicyLoaded | None:
@@ -253,9 +307,13 @@ class Watcher:
         if folder is None:
             return None
         downloaded = time.monotonic()
-        ok, message = await self.engine.update_weights(
-            self._engine_path(folder), str(version), abort_all_requests=self.cfg.abort_requests
-        )
+        try:
+            ok, message = await self.engine.update_weights(
+                self._engine_path(folder), str(version), abort_all_requests=self.cfg.abort_requests
+            )
+        except EngineDied as exc:
+            await self._engine_died(version, str(exc))
+            return None
         served = await self.engine.weight_version()
         self.state.observe(served)
         if not ok:
@@ -271,6 +329,16 @@ class Watcher:
         self.good = version
         self.refusals.clear(version)
         return await self._announce(version, cause, latest, downloaded - started, loaded - downloaded)
+
+    async def _engine_died(self, version: int, detail: str) -> None:
+        """The engine was asked to load `version` and is not healthy since: said loudly, the
+        version held off (loading it again would break the engine again), what it serves unknown."""
+        self.state.observe(None)
+        log.critical("THE ENGINE IS DOWN after it was asked to load a verified version; it must be "
+                     "restarted (nextstate up does), then the last good version is put back",
+                     extra={"version": version, "last_good": self.good, "engine": self.cfg.engine_url,
+                            "detail": detail[:500]})
+        await self._refuse(version, "engine-died", detail)
 
     async def _refuse(self, version: int, reason: str, detail: str) -> None:
         self.refusals.add(version, reason, time.monotonic())

@@ -245,3 +245,33 @@ async def test_redis_away_does_not_disturb_the_supervisor() -> None:
     assert sup.procs[0].state == "ready"
     await asyncio.wait_for(sup.stop(grace_s=5), 10)
     assert out.getvalue().count("cannot write to Redis") == 1  # said once
+
+
+async def test_a_process_killed_while_its_child_holds_the_pipe_is_restarted(tmp_path: Path) -> None:
+    """vLLM's API server killed, its engine core still alive and holding the output pipe: the
+    supervisor sees the exit all the same, kills what was left in the process group, and
+    restarts it (waiting on the pipe, it saw nothing and restarted nothing)."""
+    pids = tmp_path / "pids"
+    parent = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+              f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}}\\n')\n"
+              "print('up', flush=True); time.sleep(300)\n")  # fmt: skip
+    out = io.StringIO()
+    sup = Supervisor(out=out, backoff=FAST)
+    await sup.start(Proc("engine", [sys.executable, "-c", parent], ready=said(out, "up")))
+    try:
+        first = await eventually(lambda: pids.exists() and pids.read_text().split(), 10, "the first run")
+        os.kill(int(first[0]), signal.SIGKILL)  # the leader only: its child keeps the pipe open
+        await eventually(lambda: len(pids.read_text().splitlines()) == 2, 30, "a restart")
+
+        def gone(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+        await eventually(lambda: gone(int(first[1])), 10, "the orphaned child killed")
+        assert sup.procs[0].restarts == 1 and sup.procs[0].last_exit == "SIGKILL"
+    finally:
+        await sup.stop()

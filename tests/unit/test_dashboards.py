@@ -157,7 +157,9 @@ def test_prometheus_scrapes_every_service_on_its_port() -> None:
         if "build" not in svc or svc.get("restart") == "no":
             continue
         env = svc["environment"]
-        port = int(next(v for k, v in env.items() if k.endswith("__PORT")))
+        argv = [str(a) for a in svc.get("command") or []]
+        ports = [v for k, v in env.items() if k.endswith("__PORT")] or [argv[argv.index("--port") + 1]]  # vLLM
+        port = int(ports[0])
         aliases = set(svc.get("networks", {}).get("default", {}).get("aliases", []))
         assert any((n, port) in targets for n in {name} | aliases), f"{name}:{port} not scraped"
     assert ("engine", 30000) in targets  # SGLang (--enable-metrics) or the CPU engine

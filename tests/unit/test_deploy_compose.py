@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import os
 import re
@@ -334,6 +335,10 @@ def test_healthchecks_probe_the_configured_port() -> None:
         if not long_running(svc):
             continue
         url = re.search(r"http://127\.0\.0\.1:(\d+)/(\w+)", " ".join(svc["healthcheck"]["test"]))
+        if module == "services.vllm":  # vLLM's own open probe, on its --port
+            argv = svc["command"]
+            assert url and url.group(2) == "health" and argv[argv.index("--port") + 1] == url.group(1), name
+            continue
         assert url and url.group(2) in ("readyz", "healthz"), name
         group = settings_group(module)
         assert svc["environment"][f"NEXTSTATE_{group}__PORT"] == url.group(1), name
@@ -359,11 +364,11 @@ def test_depends_on_targets_exist_and_wait_for_health() -> None:
 
 def test_both_engines_answer_as_engine() -> None:
     svcs = services()
-    cpu, gpu = svcs["engine-cpu"], svcs["engine-gpu"]
-    assert cpu["profiles"] == ["cpu"] and gpu["profiles"] == ["gpu"]
-    for svc in (cpu, gpu):
+    cpu, gpu, vllm = svcs["engine-cpu"], svcs["engine-gpu"], svcs["engine-vllm"]
+    assert cpu["profiles"] == ["cpu"] and gpu["profiles"] == ["gpu"] and vllm["profiles"] == ["vllm"]
+    for svc in (cpu, gpu, vllm):
         assert "engine" in svc["networks"]["default"]["aliases"]
-    assert svcs["trainer-cpu"]["profiles"] == ["cpu"] and svcs["trainer-gpu"]["profiles"] == ["gpu"]
+    assert svcs["trainer-cpu"]["profiles"] == ["cpu", "vllm"] and svcs["trainer-gpu"]["profiles"] == ["gpu"]
     for name, var in (("collector", "NEXTSTATE_COLLECTOR__ENGINE_URL"),
                       ("watcher", "NEXTSTATE_WATCHER__ENGINE_URL"),
                       ("judge", "NEXTSTATE_JUDGE__ENGINE_URL")):
@@ -377,6 +382,35 @@ def test_both_engines_answer_as_engine() -> None:
     assert flag("--model-path") == "/models/policy" and flag("--host") == "0.0.0.0"
     assert flag("--port") == "30000" and flag("--weight-version") == "0"
     assert "--enable-metrics" in argv
+
+
+def test_the_vllm_profile_starts_vllm_as_up_does() -> None:
+    """The same flags as shared/vllm_engine.py (what `nextstate up --engine vllm` runs), dev mode
+    for reloads, and the clients told to speak vLLM's API when ENGINE_KIND=vllm."""
+    from shared.vllm_engine import VLLMLaunch
+
+    env = {**filled_example_env(), "COMPOSE_PROFILES": "vllm", "ENGINE_KIND": "vllm"}
+    svcs = compose(env)["services"]
+    vllm = svcs["engine-vllm"]
+    argv = [str(a) for a in vllm["command"]]
+    assert argv[:3] == ["python", "-m", "services.vllm"] and "--api-key" not in argv
+    up_argv, up_env = VLLMLaunch(python="python", threads=1).command(Path("/models/policy"), 30000, "0.0.0.0")
+    value_flags = {a for a, b in itertools.pairwise(up_argv) if a.startswith("--") and not b.startswith("--")}
+    for flag in (a for a in up_argv if a.startswith("--")):
+        assert flag in argv, flag
+        if flag in value_flags - {"--max-model-len", "--max-num-seqs"}:
+            assert argv[argv.index(flag) + 1] == up_argv[up_argv.index(flag) + 1], flag
+    assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == up_env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert vllm["environment"]["HF_HUB_OFFLINE"] == "1"
+    assert vllm["build"]["dockerfile"] == "deploy/Dockerfile.vllm"
+    for name, var in (("collector", "NEXTSTATE_COLLECTOR__ENGINE_KIND"), ("watcher", "NEXTSTATE_WATCHER__ENGINE_KIND"),
+                      ("judge", "NEXTSTATE_JUDGE__ENGINE_KIND")):
+        assert svcs[name]["environment"][var] == "vllm", name
+        raw = yaml.safe_load(COMPOSE.read_text())["services"][name]["environment"][var]
+        assert raw == "${ENGINE_KIND:-sglang}", name
+    dockerfile = (REPO / "deploy/Dockerfile.vllm").read_text()
+    assert "--no-deps" in dockerfile and "deploy/vllm/requirements.txt" in dockerfile
+    assert re.findall(r"^USER\s+(\S+)", dockerfile, re.M)[-1] == "nextstate"
 
 
 def test_gpu_services_reserve_gpus() -> None:
@@ -394,7 +428,7 @@ def test_checkpoints_volume_is_shared_by_watcher_and_engines() -> None:
     local_dir = svcs["watcher"]["environment"]["NEXTSTATE_WATCHER__LOCAL_DIR"]
     assert f"checkpoints:{local_dir}" in svcs["watcher"]["volumes"]
     assert "NEXTSTATE_WATCHER__ENGINE_DIR" not in svcs["watcher"]["environment"]
-    for name in ("engine-cpu", "engine-gpu"):
+    for name in ("engine-cpu", "engine-gpu", "engine-vllm"):
         assert f"checkpoints:{local_dir}:ro" in svcs[name]["volumes"], name
         assert "./models/policy:/models/policy:ro" in svcs[name]["volumes"], name
     named = {v.split(":")[0] for s in svcs.values() for v in s.get("volumes", [])
@@ -554,7 +588,7 @@ def test_the_evaluator_has_an_evaluation_engine_of_its_own() -> None:
     local_dir = env["NEXTSTATE_EVAL__LOCAL_DIR"]
     assert f"eval-checkpoints:{local_dir}" in evaluator["volumes"]
     cpu, gpu = svcs["eval-engine-cpu"], svcs["eval-engine-gpu"]
-    assert cpu["profiles"] == ["cpu"] and gpu["profiles"] == ["gpu"]
+    assert cpu["profiles"] == ["cpu", "vllm"] and gpu["profiles"] == ["gpu"]
     for svc in (cpu, gpu):
         assert svc["networks"]["default"]["aliases"] == ["eval-engine"]
         assert f"eval-checkpoints:{local_dir}:ro" in svc["volumes"]

@@ -43,6 +43,7 @@ from tests.unit.test_deploy_compose import services as compose_services
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy/k8s/base"
 GPU = REPO / "deploy/k8s/overlays/gpu"
+VLLM = REPO / "deploy/k8s/overlays/vllm"
 WORKLOADS = ("Deployment", "StatefulSet")
 OUR_IMAGES = ("nextstate-light", "nextstate-torch")
 VALID_REDIS_URL = "redis://:Passw0rd@redis:6379/0"
@@ -122,10 +123,11 @@ def test_kustomization_lists_every_file() -> None:
     listed = set(kustomization(BASE)["resources"])
     present = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == present, f"unlisted {present - listed}, missing {listed - present}"
-    overlay = kustomization(GPU)
-    assert overlay["resources"] == ["../../base"]
-    patches = {p["path"] for p in overlay["patches"]}
-    assert patches == {p.name for p in GPU.glob("*.yaml")} - {"kustomization.yaml"}
+    for folder in (GPU, VLLM):
+        overlay = kustomization(folder)
+        assert overlay["resources"] == ["../../base"]
+        patches = {p["path"] for p in overlay["patches"]}
+        assert patches == {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
     assert kustomization(BASE)["namespace"] == by_kind(base_docs(), "Namespace").popitem()[0]
 
 
@@ -306,6 +308,18 @@ def test_watcher_and_engine_share_checkpoints() -> None:
     assert affinity["labelSelector"]["matchLabels"] == deps["engine"]["spec"]["selector"]["matchLabels"]
 
 
+def test_vllm_overlay_starts_vllm_as_up_does() -> None:
+    """The engine's arguments are shared/vllm_engine.py's (what `nextstate up --engine vllm` runs)."""
+    from shared.vllm_engine import VLLMLaunch
+
+    c = yaml.safe_load((VLLM / "engine-vllm.yaml").read_text())["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "services.vllm"] and "--api-key" not in c["args"]
+    up_argv, up_env = VLLMLaunch(python="python", threads=1).command(Path("/models/policy"), 30000, "0.0.0.0")
+    assert c["args"] == [str(a) for a in up_argv[3:]]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == up_env["VLLM_SERVER_DEV_MODE"] and env["HF_HUB_OFFLINE"] == "1"
+
+
 def test_gpu_overlay_patches() -> None:
     engine = yaml.safe_load((GPU / "engine-sglang.yaml").read_text())
     c = engine["spec"]["template"]["spec"]["containers"][0]
@@ -320,7 +334,7 @@ def test_gpu_overlay_patches() -> None:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("folder", [BASE, GPU], ids=["base", "gpu"])
+@pytest.mark.parametrize("folder", [BASE, GPU, VLLM], ids=["base", "gpu", "vllm"])
 def test_kustomize_renders(folder: Path) -> None:
     out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True,
                          timeout=60, check=False)
@@ -334,6 +348,15 @@ def test_kustomize_renders(folder: Path) -> None:
         assert engine["image"].startswith("lmsysorg/sglang")
         assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+    elif folder == VLLM:
+        assert engine["image"].startswith("nextstate-vllm") and engine["command"][2] == "services.vllm"
+        assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+        env = {e["name"]: e for e in engine["env"]}
+        assert env["VLLM_SERVER_DEV_MODE"]["value"] == "1" and "secretKeyRef" in env["NEXTSTATE_INTERNAL__TOKEN"]["valueFrom"]
+        workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+        for name in ("collector", "judge", "watcher"):
+            c = workloads[name]["spec"]["template"]["spec"]["containers"][0]
+            assert {"name": f"NEXTSTATE_{name.upper()}__ENGINE_KIND", "value": "vllm"} in c["env"], name
     else:
         assert engine["image"].startswith("nextstate-torch")
     check_bucket_access(docs)  # the GPU trainer too: the patch keeps the base's bucket

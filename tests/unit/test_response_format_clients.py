@@ -1,6 +1,6 @@
 """Constrained decoding and top log-probs through shared/engine_client, against
 httpx.MockTransport stand-ins: SGLang gets its own `json_schema` / `regex` sampling params
-and `top_logprobs_num`; vLLM gets `structured_outputs` and `logprobs: k`. The calling code
+and `top_logprobs_num`; vLLM gets `structured_outputs` and `logprobs: k+1` in its sampling params. The calling code
 is the same for both."""
 
 from __future__ import annotations
@@ -71,25 +71,30 @@ def test_vllm_gets_structured_outputs_and_logprobs_k() -> None:
     seen: list[dict[str, Any]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/inference/v1/generate"
         body = json.loads(request.content)
         seen.append(body)
-        k = body["logprobs"]
-        top = [{f"token_id:{t}": lp for lp, t, _ in row[:k]} | {f"token_id:{i}": lp}
-               for row, i, lp in zip(TOP, IDS, LPS, strict=True)] if k else None  # fmt: skip
-        choice = {"text": "{}", "token_ids": IDS, "finish_reason": "stop",
-                  "logprobs": {"token_logprobs": LPS, "top_logprobs": top}}  # fmt: skip
-        return httpx.Response(200, json={"id": "x", "choices": [choice], "usage": {}})
+        k = body["sampling_params"]["logprobs"]
+        # vLLM lists the sampled token first, then the best others, cut at the number asked
+        content = [{"token": f"token_id:{i}", "logprob": lp,
+                    "top_logprobs": ([{"token": f"token_id:{i}", "logprob": lp}]
+                                     + [{"token": f"token_id:{t}", "logprob": v} for v, t, _ in row if t != i])[:k]}
+                   for row, i, lp in zip(TOP, IDS, LPS, strict=True)]  # fmt: skip
+        choice = {"text": "{}", "token_ids": IDS, "finish_reason": "stop", "logprobs": {"content": content},
+                  "weight_versions": [{"version": "default", "start": 0, "end": len(IDS)}]}  # fmt: skip
+        return httpx.Response(200, json={"request_id": "x", "choices": [choice], "usage": {}})
 
     async def run() -> None:
         async with VLLMClient("http://vllm", model="m", transport=httpx.MockTransport(handler)) as eng:
             res = await eng.generate([1, 2], SamplingParams(json_schema=SCHEMA), top_logprobs_num=1)
-            # vLLM may add the sampled token to the k best: only the k best are kept
+            # k+1 asked, so the k best are there whether or not the sampled token is among them
             assert res.output_top_logprobs == [[(11, -0.5)], [(41, -0.7)], [(13, -0.25)]]
+            assert res.weight_version == "0"  # vLLM's initial "default": the base model
             await eng.generate([1, 2], SamplingParams(regex="a+"))
             await eng.generate([1, 2], SamplingParams())
 
     asyncio.run(run())
-    constrained, regex, plain = seen
-    assert constrained["structured_outputs"] == {"json": json.loads(SCHEMA)} and constrained["logprobs"] == 1
+    constrained, regex, plain = (body["sampling_params"] for body in seen)
+    assert constrained["structured_outputs"] == {"json": json.loads(SCHEMA)} and constrained["logprobs"] == 2
     assert regex["structured_outputs"] == {"regex": "a+"} and regex["logprobs"] == 0
     assert "structured_outputs" not in plain

@@ -1,0 +1,156 @@
+"""The last check before the engine is asked to load a folder: complete, intact, and shaped
+like the model it serves.
+
+vLLM 0.32 does not survive a `reload_weights` that fails — its engine core dies with the
+worker's exception — so the watcher sends no folder to any engine before `verify_folder`
+passed (blocking: run it off the event loop):
+
+- files: every file of the folder's manifest is there at its size and sha256, read again
+  now (a local copy the watcher reuses was only compared by size), and no weight file
+  (`*.safetensors`, `*.bin`) lies in the folder without being listed;
+- config: `config.json` agrees with the reference model's on architecture and every field
+  that shapes the weights (SHAPE_KEYS);
+- tensors: each safetensors header parses, its data ends exactly at the end of its file
+  (a truncated shard cannot pass), and the tensor names and shapes are the reference
+  model's, no more, no fewer (a tied output head may be saved or not).
+
+The reference is the model the engine serves: NEXTSTATE_WATCHER__BASE_MODEL, or the folder
+the engine reports in `/model_info` when the watcher can read it. Without one only the
+files are checked, and the watcher says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from shared import checkpoints as ckpt
+from shared.errors import ChecksumMismatch, IncompatibleCheckpoint
+from shared.schemas import CheckpointManifest
+
+SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+              "tie_word_embeddings")
+TIED_HEAD, TIED_TO = "lm_head.weight", "model.embed_tokens.weight"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_files(folder: Path) -> CheckpointManifest:
+    """The folder holds exactly its manifest's weights, every listed file at its size and sha256."""
+    try:
+        manifest = CheckpointManifest.model_validate_json((folder / ckpt.MANIFEST).read_bytes())
+    except (OSError, ValidationError) as exc:
+        raise ChecksumMismatch(f"{folder}: no readable {ckpt.MANIFEST} ({type(exc).__name__})") from None
+    what = f"{manifest.run} v{manifest.version}"
+    for f in manifest.files:
+        path = folder / f.path
+        if not path.is_file():
+            raise ChecksumMismatch(f"{what}: {f.path!r} is missing from {folder}")
+        if (size := path.stat().st_size) != f.size:
+            raise ChecksumMismatch(f"{what}: {f.path!r} is {size} bytes, manifest says {f.size}")
+        if (digest := sha256_of(path)) != f.sha256:
+            raise ChecksumMismatch(f"{what}: {f.path!r} has sha256 {digest}, manifest says {f.sha256}")
+    listed = {f.path for f in manifest.files}
+    stray = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.name not in listed)
+    if stray:
+        raise ChecksumMismatch(f"{what}: weight files the manifest does not list: {stray[:5]}")
+    return manifest
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise IncompatibleCheckpoint(f"{folder}: no readable config.json ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise IncompatibleCheckpoint(f"{folder}: config.json is not an object")
+    return data
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors file's header; IncompatibleCheckpoint
+    when the header does not parse or the data does not end where the file ends."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise IncompatibleCheckpoint(f"{path.name}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(MAX_HEADER, size - 8):
+            raise IncompatibleCheckpoint(f"{path.name}: safetensors header of {n} bytes in a {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise IncompatibleCheckpoint(f"{path.name}: safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise IncompatibleCheckpoint(f"{path.name}: safetensors header is not an object")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            out[name] = (str(meta["dtype"]), tuple(int(d) for d in meta["shape"]))
+            end = max(end, int(meta["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise IncompatibleCheckpoint(f"{path.name}: malformed entry {name!r} in the header") from None
+    if 8 + n + end != size:
+        raise IncompatibleCheckpoint(f"{path.name}: its tensors end at byte {8 + n + end}, the file at {size}")
+    return out
+
+
+def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        for name, (_, shape) in safetensors_header(path).items():
+            shapes[name] = shape
+    return shapes
+
+
+def check_fits(folder: Path, reference: Path) -> None:
+    """`folder`'s config and tensors fit the model in `reference` (IncompatibleCheckpoint if not)."""
+    mine, ref = _config(folder), _config(reference)
+    differ = [f"{k}: {mine.get(k)!r} (served: {ref.get(k)!r})" for k in SHAPE_KEYS if mine.get(k) != ref.get(k)]
+    if differ:
+        raise IncompatibleCheckpoint(f"{folder.name}'s config does not fit the served model: " + "; ".join(differ))
+    got, want = tensor_shapes(folder), tensor_shapes(reference)
+    if mine.get("tie_word_embeddings"):
+        # The output head is the input embedding: saved or not (save_pretrained of a trained
+        # copy writes it, a converted base may not), the engine ties it; only its shape counts.
+        for shapes in (got, want):
+            head = shapes.pop(TIED_HEAD, None)
+            if head is not None and head != shapes.get(TIED_TO, head):
+                raise IncompatibleCheckpoint(f"{TIED_HEAD} {head} is not the shape of {TIED_TO} {shapes[TIED_TO]}")
+    if not got:
+        raise IncompatibleCheckpoint(f"{folder.name}: no safetensors weights")
+    if not want:
+        return  # a reference without safetensors (e.g. .bin): the config agreed, that is all we can say
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    wrong = sorted(f"{k} {got[k]} (served: {want[k]})" for k in got.keys() & want.keys() if got[k] != want[k])
+    if missing or extra or wrong:
+        raise IncompatibleCheckpoint(
+            f"{folder.name}'s tensors do not fit the served model: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}, other shapes {wrong[:3]}")
+
+
+def verify_folder(folder: Path, reference: Path | None) -> CheckpointManifest:
+    """Everything above; returns the folder's manifest. Raises ChecksumMismatch (files) or
+    IncompatibleCheckpoint (config, tensors)."""
+    manifest = check_files(folder)
+    if reference is not None:
+        check_fits(folder, reference)
+    return manifest
