@@ -64,6 +64,7 @@ MAX_ID = 256  # session ids and `user`
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 TRUE = frozenset({"1", "true", "yes", "on"})
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # function and response_format names, as OpenAI checks them
+NAME_RE = re.compile(NAME)
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
 

@@ -1,0 +1,77 @@
+"""Responses API objects kept in Redis: `GET /v1/responses/{id}` and `previous_response_id`.
+
+A response created with `store` (OpenAI's default: true) is kept under
+`P:response:<id>` (shared/keys.py) for `responses_ttl_s`, as one JSON record: the
+response object as the client received it, and the conversation it ended — the
+internal chat messages up to and including its answer, without the request's
+`instructions` (as at OpenAI, a follow-up's own instructions replace them). A follow-up
+naming it as `previous_response_id` continues that conversation, so its prompt is the
+same one a client resending the whole history would get, and its pending turn pairs.
+
+On the request path Redis gets `redis_timeout_s`, as everywhere in the collector. A
+write that fails is logged and counted and the response still goes out (a later
+`previous_response_id` naming it is then a 404); a read that fails is a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from services.collector import metrics as M
+from services.collector.openai_shapes import ApiError, dumps
+from shared.keys import Keys
+
+log = logging.getLogger(__name__)
+
+FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    messages: list[dict[str, Any]]  # the conversation, its answer last (no instructions)
+
+
+class ResponseStore:
+    def __init__(self, redis: Any, keys: Keys, ttl_s: float, timeout_s: float) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_ms = max(1000, int(ttl_s * 1000))
+        self.timeout = timeout_s
+
+    async def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        """Keep a response; never raises (a failure is logged and counted)."""
+        record = dumps({"response": response, "messages": messages})
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.redis.set(self.keys.stored_response(response["id"]), record, px=self.ttl_ms)
+            M.STORED_RESPONSES.labels("stored").inc()
+        except FAILURES as exc:
+            M.STORED_RESPONSES.labels("failed").inc()
+            log.warning("could not store a response (%s): previous_response_id will not find it",
+                        type(exc).__name__, extra={"response_id": response["id"]})  # fmt: skip
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        raw = await self._call(self.redis.get(self.keys.stored_response(response_id)))
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return StoredResponse(d["response"], d["messages"])
+
+    async def delete(self, response_id: str) -> bool:
+        return bool(await self._call(self.redis.delete(self.keys.stored_response(response_id))))
+
+    async def _call(self, op: Any) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await op
+        except FAILURES as exc:
+            log.warning("the response store did not answer: %s", type(exc).__name__)
+            raise ApiError(503, "stored responses are unavailable right now; retry later",
+                           code="store_unavailable", kind="server_error") from None  # fmt: skip
