@@ -195,9 +195,9 @@ class Conversation:
 
     def _need_answers(self, where: str) -> None:
         if self.open:
-            ids = ", ".join(map(repr, self.open))
-            raise _bad(f"Invalid '{where}': the function calls {ids} must each be answered by a "
-                       "function_call_output first.", "input")  # fmt: skip
+            raise _bad(f"No tool output found for function call {next(iter(self.open))} (before "
+                       f"'{where}'): answer each function call with a function_call_output "
+                       "first.", "input")  # fmt: skip
 
     def _assistant(self) -> dict[str, Any]:
         if self.turn is None:
