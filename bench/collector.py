@@ -19,10 +19,15 @@ cost; at 64 the offered load (~1,280/s) is more than one collector process serve
 this machine, so that row measures its throughput.
 
     python bench/collector.py [--concurrency 1,16,64] [--seconds 6] [--latency-ms 50]
-                              [--profile out.prof]   (cProfile of the collector, at 16)
+                              [--apis 1,16] [--profile out.prof]   (cProfile of the collector, at 16)
+
+`--apis`: at these concurrencies the same conversations also go through the Responses API
+(history resent as items, `store` at its default, true: one more Redis write per request)
+and the Anthropic Messages API (content blocks), each against the stand-in alone and
+against chat completions in the same run.
 
 Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
-completions/s per collector process.
+completions/s per collector process; each API's added p50/p99 within 1 ms of chat's.
 """
 
 from __future__ import annotations
@@ -55,22 +60,43 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def assistant_turn(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """What an agent of this API appends to its history from the answer (output items for
+    responses, as the Agents SDK does; the content blocks for messages)."""
+    if api == "responses":
+        return list(body["output"])
+    if api == "messages":
+        return [{"role": "assistant", "content": body["content"]}]
+    return [body["choices"][0]["message"]]
+
+
+def request(api: str, system: str, history: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The API's path and body for a conversation (a system prompt, then `history`)."""
+    if api == "responses":  # store left at OpenAI's default (true), as the Agents SDK sends it
+        return "/v1/responses", {"model": "m", "instructions": system, "input": history,
+                                 "max_output_tokens": 32}  # fmt: skip
+    if api == "messages":
+        return "/v1/messages", {"model": "m", "system": system, "messages": history, "max_tokens": 32}
+    return "/v1/chat/completions", {"model": "m", "max_tokens": 32,
+                                    "messages": [{"role": "system", "content": system}, *history]}  # fmt: skip
+
+
 async def agent(arm: str, url: str, client: Any, rng: random.Random, turns: int,
                 stop_at: float, lat: list[float], prefix_ids: list[int]) -> None:  # fmt: skip
     while time.perf_counter() < stop_at:
-        msgs: list[dict[str, Any]] = [{"role": "system", "content": words(rng, 40)},
-                                      {"role": "user", "content": words(rng, 30)}]  # fmt: skip
+        system = words(rng, 40)
+        history: list[dict[str, Any]] = [{"role": "user", "content": words(rng, 30)}]
         for t in range(turns):
             last = t == turns - 1
-            if arm == "collector":
-                body: dict[str, Any] = {"model": "m", "messages": msgs, "max_tokens": 32}
+            if arm != "direct":
+                path, body = request(arm, system, history)
                 headers = {"x-session-done": "1"} if last else {}
                 t0 = time.perf_counter()
-                r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+                r = await client.post(url + path, json=body, headers=headers)
                 dt = time.perf_counter() - t0
                 r.raise_for_status()
-                msgs = [*msgs, r.json()["choices"][0]["message"],
-                        {"role": "user", "content": words(rng, rng.randint(5, 30))}]  # fmt: skip
+                history = [*history, *assistant_turn(arm, r.json()),
+                           {"role": "user", "content": words(rng, rng.randint(5, 30))}]  # fmt: skip
             else:
                 n = 90 + t * 45  # about the collector's prompt length at this turn
                 body = {"input_ids": (prefix_ids * (n // len(prefix_ids) + 1))[:n],
@@ -163,7 +189,11 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, default=50.0)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--profile", help="also run the collector under cProfile at concurrency 16")
-    p.add_argument("--loadgen", choices=["direct", "collector"], help=argparse.SUPPRESS)
+    p.add_argument("--apis", default="1,16",
+                   help="concurrencies at which the Responses and Messages APIs are measured "
+                        "beside chat completions (empty: none)")  # fmt: skip
+    p.add_argument("--loadgen", choices=["direct", "collector", "responses", "messages"],
+                   help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--profiled-collector", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -217,6 +247,22 @@ def main() -> None:
                   f"{proxy['rps']:>8.0f} {proxy['p50'] * 1e3:>7.2f} {proxy['p99'] * 1e3:>7.2f} | "
                   f"{(proxy['p50'] - direct['p50']) * 1e3:>9.2f} {(proxy['p99'] - direct['p99']) * 1e3:>9.2f} | "
                   f"{emitted:>7.0f} {cpu_ms:>10.2f}", flush=True)  # fmt: skip
+        if a.apis:
+            print("\nper API, same collector; added = p - direct p (the stand-in alone); "
+                  "vs chat = added - chat's added, in this run")  # fmt: skip
+            print(f"{'conc':>4} {'api':>9} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
+                  f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11}")  # fmt: skip
+            for c in [int(x) for x in a.apis.split(",")]:
+                direct = run_loadgen("direct", engine_url, c, a.seconds, a.turns)
+                rows = {api: run_loadgen(api, url, c, a.seconds, a.turns)
+                        for api in ("collector", "responses", "messages")}  # fmt: skip
+                chat = rows["collector"]
+                for api, res in rows.items():
+                    added = [(res[q] - direct[q]) * 1e3 for q in ("p50", "p99")]
+                    vs = [(res[q] - chat[q]) * 1e3 for q in ("p50", "p99")]
+                    print(f"{c:>4} {'chat' if api == 'collector' else api:>9} | {res['rps']:>6.0f} "
+                          f"{res['p50'] * 1e3:>7.2f} {res['p99'] * 1e3:>7.2f} | {added[0]:>9.2f} "
+                          f"{added[1]:>9.2f} | {vs[0]:>11.2f} {vs[1]:>11.2f}", flush=True)  # fmt: skip
         r.close()
         if a.profile:
             stop_process(collector)

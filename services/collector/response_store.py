@@ -44,6 +44,7 @@ class ResponseStore:
         self.keys = keys
         self.ttl_ms = max(1000, int(ttl_s * 1000))
         self.timeout = timeout_s
+        self._failing = False  # warn once per outage, not once per request
 
     async def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
         """Keep a response; never raises (a failure is logged and counted)."""
@@ -52,10 +53,13 @@ class ResponseStore:
             async with asyncio.timeout(self.timeout):
                 await self.redis.set(self.keys.stored_response(response["id"]), record, px=self.ttl_ms)
             M.STORED_RESPONSES.labels("stored").inc()
+            self._failing = False
         except FAILURES as exc:
             M.STORED_RESPONSES.labels("failed").inc()
-            log.warning("could not store a response (%s): previous_response_id will not find it",
-                        type(exc).__name__, extra={"response_id": response["id"]})  # fmt: skip
+            (log.debug if self._failing else log.warning)(
+                "could not store a response (%s): previous_response_id will not find it",
+                type(exc).__name__, extra={"response_id": response["id"]})  # fmt: skip
+            self._failing = True
 
     async def get(self, response_id: str) -> StoredResponse | None:
         raw = await self._call(self.redis.get(self.keys.stored_response(response_id)))

@@ -323,6 +323,22 @@ def test_responses_errors(client: openai.OpenAI) -> None:
             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}])  # fmt: skip
 
 
+def test_side_turns_are_served_not_captured(stack: dict[str, str], client: openai.OpenAI,
+                                            turns: Turns) -> None:  # fmt: skip
+    sid = session()
+    side = {"X-Session-Id": sid, "X-Turn-Type": "side", "X-Session-Done": "1"}
+    assert client.responses.create(model="m", input="hi", max_output_tokens=4, extra_headers=side).id
+    with anthropic.Anthropic(base_url=stack["url"], api_key=KEY, max_retries=0, timeout=30) as ac:
+        assert ac.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                  extra_headers=side).id  # fmt: skip
+    # A main turn that ends the session is emitted before its response returns; the side
+    # ones (which would have been too, as main turns) are not there.
+    client.responses.create(model="m", input="hi", max_output_tokens=4,
+                            extra_headers={**side, "X-Turn-Type": "main"})  # fmt: skip
+    (only,) = turns.wait(lambda ts: len(ts) >= 1, sessions=[sid])
+    assert only.turn_type == "main" and len(turns.of(sid)) == 1
+
+
 # -- langchain-openai ---------------------------------------------------------------------------------
 
 
