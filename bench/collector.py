@@ -24,7 +24,8 @@ this machine, so that row measures its throughput.
 `--apis`: at these concurrencies the same conversations also go through the Responses API
 (history resent as items, `store` at its default, true: one more Redis write per request)
 and the Anthropic Messages API (content blocks), each against the stand-in alone and
-against chat completions in the same run.
+against chat completions in the same run, with the collector's CPU per request and the
+load generator's (`client cpu`: building and parsing each API's bodies, on the same cores).
 
 Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
 completions/s per collector process; each API's added p50/p99 within 1 ms of chat's.
@@ -127,23 +128,37 @@ async def loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: i
         await asyncio.gather(*(agent(arm, url, client, random.Random(-i - 1), 2, time.perf_counter() + 0.5,
                                      warm, [260, 447, 274]) for i in range(concurrency)))  # fmt: skip
         lat: list[float] = []
+        cpu0 = time.process_time()
         start = time.perf_counter()
         stop_at = start + seconds
         await asyncio.gather(*(agent(arm, url, client, random.Random(i), turns, stop_at, lat,
                                      [260, 447, 274, 318, 474]) for i in range(concurrency)))  # fmt: skip
         elapsed = time.perf_counter() - start
+        client_cpu = time.process_time() - cpu0
     lat.sort()
-    return {"n": len(lat), "warm": len(warm), "rps": len(lat) / elapsed, "p50": lat[len(lat) // 2],
-            "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "mean": statistics.fmean(lat)}  # fmt: skip
+    p50, p99 = quantiles(lat)
+    return {"n": len(lat), "warm": len(warm), "rps": len(lat) / elapsed, "p50": p50, "p99": p99,
+            "mean": statistics.fmean(lat), "lat": lat, "client_cpu": client_cpu}  # fmt: skip
 
 
-def run_loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: int) -> dict[str, Any]:
+def quantiles(lat: list[float]) -> tuple[float, float]:
+    """p50 and p99."""
+    lat = sorted(lat)
+    return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+
+def run_loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: int,
+                keep: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One load generator run; `keep`: with every latency (`lat`)."""
     out = subprocess.run(
         [sys.executable, __file__, "--loadgen", arm, "--url", url, "--concurrency", str(concurrency),
          "--seconds", str(seconds), "--turns", str(turns)],
         cwd=REPO, check=True, capture_output=True, text=True,
     )  # fmt: skip
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    res = dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    if not keep:
+        del res["lat"]
+    return res
 
 
 # -- the harness ---------------------------------------------------------------------------------
@@ -192,6 +207,8 @@ def main() -> None:
     p.add_argument("--apis", default="1,16",
                    help="concurrencies at which the Responses and Messages APIs are measured "
                         "beside chat completions (empty: none)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--apis: each arm's --seconds split over this many interleaved runs")
     p.add_argument("--loadgen", choices=["direct", "collector", "responses", "messages"],
                    help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--profiled-collector", help=argparse.SUPPRESS)
@@ -248,21 +265,35 @@ def main() -> None:
                   f"{(proxy['p50'] - direct['p50']) * 1e3:>9.2f} {(proxy['p99'] - direct['p99']) * 1e3:>9.2f} | "
                   f"{emitted:>7.0f} {cpu_ms:>10.2f}", flush=True)  # fmt: skip
         if a.apis:
-            print("\nper API, same collector; added = p - direct p (the stand-in alone); "
-                  "vs chat = added - chat's added, in this run")  # fmt: skip
+            print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds; added = p - "
+                  "direct p (the stand-in alone); vs chat = added - chat's added, in this run")  # fmt: skip
             print(f"{'conc':>4} {'api':>9} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
-                  f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11}")  # fmt: skip
+                  f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
+                  f"{'cpu ms/req':>10} {'client cpu':>10}")  # fmt: skip
+            arms = ("direct", "collector", "responses", "messages")
             for c in [int(x) for x in a.apis.split(",")]:
-                direct = run_loadgen("direct", engine_url, c, a.seconds, a.turns)
-                rows = {api: run_loadgen(api, url, c, a.seconds, a.turns)
-                        for api in ("collector", "responses", "messages")}  # fmt: skip
-                chat = rows["collector"]
-                for api, res in rows.items():
-                    added = [(res[q] - direct[q]) * 1e3 for q in ("p50", "p99")]
-                    vs = [(res[q] - chat[q]) * 1e3 for q in ("p50", "p99")]
-                    print(f"{c:>4} {'chat' if api == 'collector' else api:>9} | {res['rps']:>6.0f} "
-                          f"{res['p50'] * 1e3:>7.2f} {res['p99'] * 1e3:>7.2f} | {added[0]:>9.2f} "
-                          f"{added[1]:>9.2f} | {vs[0]:>11.2f} {vs[1]:>11.2f}", flush=True)  # fmt: skip
+                lat: dict[str, list[float]] = {arm: [] for arm in arms}
+                cpu = dict.fromkeys(arms, 0.0)
+                served = dict.fromkeys(arms, 0)
+                client = dict.fromkeys(arms, 0.0)
+                for _ in range(a.rounds):
+                    for arm in arms:
+                        cpu0 = cpu_seconds(collector.pid)
+                        res = run_loadgen(arm, engine_url if arm == "direct" else url, c,
+                                          a.seconds / a.rounds, a.turns, keep=True)  # fmt: skip
+                        cpu[arm] += cpu_seconds(collector.pid) - cpu0
+                        served[arm] += res["n"] + res["warm"]
+                        lat[arm] += res["lat"]
+                        client[arm] += res["client_cpu"]
+                q = {arm: quantiles(v) for arm, v in lat.items()}
+                for arm in arms[1:]:
+                    added = [(q[arm][k] - q["direct"][k]) * 1e3 for k in (0, 1)]
+                    vs = [(q[arm][k] - q["collector"][k]) * 1e3 for k in (0, 1)]
+                    print(f"{c:>4} {'chat' if arm == 'collector' else arm:>9} | "
+                          f"{len(lat[arm]) / a.seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
+                          f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | "
+                          f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {cpu[arm] * 1e3 / served[arm]:>10.2f} "
+                          f"{client[arm] * 1e3 / len(lat[arm]):>10.2f}", flush=True)  # fmt: skip
         r.close()
         if a.profile:
             stop_process(collector)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from services.collector.anthropic_request import (
@@ -33,7 +33,7 @@ from services.collector.anthropic_request import (
     build_messages_call,
     parse_messages,
 )
-from services.collector.completion import Answer, ChatService, EventWriter, Prepared
+from services.collector.completion import Answer, ChatService, EventWriter, ExtraWrite, Prepared
 from services.collector.openai_shapes import ApiError, dumps
 from shared.toolcalls import ContentDelta, Delta, ReasoningDelta
 
@@ -149,7 +149,7 @@ class MessageEvents(EventWriter):
                 self._stop(out)
         return out
 
-    def persist(self, ans: Answer) -> Awaitable[None] | None:
+    def persist(self, ans: Answer) -> ExtraWrite | None:
         return None
 
     def end(self, ans: Answer) -> list[bytes]:

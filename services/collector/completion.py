@@ -23,11 +23,10 @@ sampling params, marking the sample as constrained.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,6 +42,7 @@ from services.collector.openai_shapes import (
     logprob_content,
 )
 from services.collector.pairing import candidates, prefix_hashes, response_hash
+from services.collector.pending_store import KeyValue
 from services.collector.request import ChatCall
 from services.collector.settings import CollectorConfig
 from shared.chat import ChatTemplate, ChatTemplateError, PromptCache
@@ -222,11 +222,12 @@ class ChatService:
 
     async def _capture(
         self, prep: Prepared, message: dict[str, Any], result: GenerateResult, finish: str,
-        cid: str,
-    ) -> None:
+        cid: str, extra: KeyValue | None = None,
+    ) -> bool:
+        """Capture a main-line turn; True when `extra` was written with its pending record."""
         call = prep.call
         if call.turn_type != "main":
-            return
+            return False
         wv = result.weight_version or self.weight_version
         turn = Turn(
             session_id=prep.session_id,
@@ -248,7 +249,7 @@ class ChatService:
             requested_at=prep.requested_at,
             responded_at=time.time(),
         )
-        await self.capture.finish(turn, prep.cache, response_hash(prep.hashes, message))
+        return await self.capture.finish(turn, prep.cache, response_hash(prep.hashes, message), extra)
 
     # -- plain --------------------------------------------------------------------------------
 
@@ -271,15 +272,14 @@ class ChatService:
         return Answer(prep, result, message_dict(msg), finish_reason(msg, result.finish_reason),
                       version, answer_id, engine_s)  # fmt: skip
 
-    async def keep(self, ans: Answer, also: Awaitable[None] | None = None) -> None:
-        """Store the answer's turn as pending (or emit it), and run `also` (e.g. storing a
-        Responses object) beside it: both are done before the answer goes out."""
-        if also is None:
-            await self._capture(ans.prep, ans.message, ans.result, ans.finish, ans.id)
-        else:
-            await asyncio.gather(
-                self._capture(ans.prep, ans.message, ans.result, ans.finish, ans.id), also
-            )
+    async def keep(self, ans: Answer, extra: ExtraWrite | None = None) -> None:
+        """Store the answer's turn as pending (or emit it), with `extra` (e.g. a stored
+        Responses object) in the same Redis round trip when there is one: both are done
+        before the answer goes out."""
+        item = None if extra is None else extra.item
+        written = await self._capture(ans.prep, ans.message, ans.result, ans.finish, ans.id, item)
+        if extra is not None:
+            await extra.done(written)
 
     def observe(self, ans: Answer, t0: float) -> None:
         total = time.perf_counter() - t0
@@ -393,6 +393,18 @@ class ChatService:
             M.REQUESTS.labels("stream", str(status)).inc()
 
 
+class ExtraWrite(Protocol):
+    """A key written with an answer's capture: in its pending turn's round trip when there
+    is one (`done(True)`), else on its own by `done(False)` (response_store.StoredWrite)."""
+
+    @property
+    def item(self) -> KeyValue:
+        """The key, its value and TTL in ms."""
+
+    async def done(self, written: bool) -> None:
+        """Called once the capture is done: `written` says whether `item` went with it."""
+
+
 class EventWriter(Protocol):
     """The events of one streamed answer in an API's wire format (chat completion chunks,
     Responses events, Anthropic message events)."""
@@ -405,8 +417,8 @@ class EventWriter(Protocol):
     def feed(self, deltas: list[Delta], logprobs: list[dict[str, Any]]) -> list[bytes]:
         """Events for the parsed deltas of one engine chunk (`logprobs`: chat only)."""
 
-    def persist(self, ans: Answer) -> Awaitable[None] | None:
-        """Work to finish before the closing events (run beside capture), if any."""
+    def persist(self, ans: Answer) -> ExtraWrite | None:
+        """A write to finish with the capture, before the closing events, if any."""
 
     def end(self, ans: Answer) -> list[bytes]:
         """The closing events, once the turn is captured."""
@@ -439,7 +451,7 @@ class ChatEvents:
             events.append(self.out.delta(d, logprobs=lp))
         return events
 
-    def persist(self, ans: Answer) -> Awaitable[None] | None:
+    def persist(self, ans: Answer) -> ExtraWrite | None:
         return None
 
     def end(self, ans: Answer) -> list[bytes]:

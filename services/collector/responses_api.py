@@ -22,18 +22,19 @@ answer is shaped here:
   `error` event. The assistant message stays open until the end, so text after a
   tool call joins it, as in the plain response;
 - `store` (default true): the response and its conversation are kept in Redis
-  (response_store.py) beside the turn's capture, before the response (or its closing
-  event) goes out, so a follow-up by `previous_response_id` finds it.
+  (response_store.py), written in the same round trip as the turn's pending record
+  (on its own when there is none), before the response (or its closing event) goes
+  out, so a follow-up by `previous_response_id` finds it.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from services.collector.completion import Answer, ChatService, EventWriter, Prepared
+from services.collector.completion import Answer, ChatService, EventWriter, ExtraWrite, Prepared
 from services.collector.openai_shapes import ApiError, dumps
 from services.collector.response_store import ResponseStore
 from services.collector.responses_request import (
@@ -226,11 +227,11 @@ class ResponsesEvents(EventWriter):
             self.response = self.shape.final(ans, self.items)
         return self.closing
 
-    def persist(self, ans: Answer) -> Awaitable[None] | None:
+    def persist(self, ans: Answer) -> ExtraWrite | None:
         self._finish(ans)
         if self.keep is None:
             return None
-        return self.keep.store.put(self.response, [*self.history, ans.message])
+        return self.keep.store.prepare(self.response, [*self.history, ans.message])
 
     def end(self, ans: Answer) -> list[bytes]:
         closing = self._finish(ans)
@@ -268,8 +269,8 @@ class ResponsesApi:
         t0 = time.perf_counter()
         ans = await service.generate(rc.call, shape.id)
         body = shape.final(ans, output_items(ans.message, ans.finish))
-        also = None if keep is None else self.store.put(body, [*rc.history, ans.message])
-        await service.keep(ans, also)
+        extra = None if keep is None else self.store.prepare(body, [*rc.history, ans.message])
+        await service.keep(ans, extra)
         service.observe(ans, t0)
         return dumps(body), service.headers(ans.prep, ans.version)
 
