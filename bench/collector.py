@@ -22,8 +22,9 @@ this machine, so that row measures its throughput.
                               [--apis 1,16] [--profile out.prof]   (cProfile of the collector, at 16)
 
 `--apis`: at these concurrencies the same conversations also go through the Responses API
-(history resent as items, `store` at its default, true: one more Redis write per request)
-and the Anthropic Messages API (content blocks), each against the stand-in alone and
+(history resent as items, `store` at its default, true: the response and its conversation
+written to Redis with the pending turn; and `resp/nostore`: store false) and the
+Anthropic Messages API (content blocks), each against the stand-in alone and
 against chat completions in the same run, with the collector's CPU per request and the
 load generator's (`client cpu`: building and parsing each API's bodies, on the same cores).
 
@@ -64,7 +65,7 @@ def words(rng: random.Random, n: int) -> str:
 def assistant_turn(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """What an agent of this API appends to its history from the answer (output items for
     responses, as the Agents SDK does; the content blocks for messages)."""
-    if api == "responses":
+    if api.startswith("responses"):
         return list(body["output"])
     if api == "messages":
         return [{"role": "assistant", "content": body["content"]}]
@@ -73,9 +74,10 @@ def assistant_turn(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def request(api: str, system: str, history: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """The API's path and body for a conversation (a system prompt, then `history`)."""
-    if api == "responses":  # store left at OpenAI's default (true), as the Agents SDK sends it
+    if api.startswith("responses"):  # store at OpenAI's default (true), as the Agents SDK sends it
+        store = {"store": False} if api == "responses-nostore" else {}
         return "/v1/responses", {"model": "m", "instructions": system, "input": history,
-                                 "max_output_tokens": 32}  # fmt: skip
+                                 "max_output_tokens": 32, **store}  # fmt: skip
     if api == "messages":
         return "/v1/messages", {"model": "m", "system": system, "messages": history, "max_tokens": 32}
     return "/v1/chat/completions", {"model": "m", "max_tokens": 32,
@@ -209,7 +211,7 @@ def main() -> None:
                         "beside chat completions (empty: none)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3,
                    help="--apis: each arm's --seconds split over this many interleaved runs")
-    p.add_argument("--loadgen", choices=["direct", "collector", "responses", "messages"],
+    p.add_argument("--loadgen", choices=["direct", "collector", "responses", "responses-nostore", "messages"],
                    help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--profiled-collector", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
@@ -267,10 +269,10 @@ def main() -> None:
         if a.apis:
             print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds; added = p - "
                   "direct p (the stand-in alone); vs chat = added - chat's added, in this run")  # fmt: skip
-            print(f"{'conc':>4} {'api':>9} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
+            print(f"{'conc':>4} {'api':>12} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
                   f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
                   f"{'cpu ms/req':>10} {'client cpu':>10}")  # fmt: skip
-            arms = ("direct", "collector", "responses", "messages")
+            arms = ("direct", "collector", "responses", "responses-nostore", "messages")
             for c in [int(x) for x in a.apis.split(",")]:
                 lat: dict[str, list[float]] = {arm: [] for arm in arms}
                 cpu = dict.fromkeys(arms, 0.0)
@@ -289,7 +291,8 @@ def main() -> None:
                 for arm in arms[1:]:
                     added = [(q[arm][k] - q["direct"][k]) * 1e3 for k in (0, 1)]
                     vs = [(q[arm][k] - q["collector"][k]) * 1e3 for k in (0, 1)]
-                    print(f"{c:>4} {'chat' if arm == 'collector' else arm:>9} | "
+                    name = {"collector": "chat", "responses-nostore": "resp/nostore"}.get(arm, arm)
+                    print(f"{c:>4} {name:>12} | "
                           f"{len(lat[arm]) / a.seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
                           f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | "
                           f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {cpu[arm] * 1e3 / served[arm]:>10.2f} "
