@@ -19,10 +19,17 @@ cost; at 64 the offered load (~1,280/s) is more than one collector process serve
 this machine, so that row measures its throughput.
 
     python bench/collector.py [--concurrency 1,16,64] [--seconds 6] [--latency-ms 50]
-                              [--profile out.prof]   (cProfile of the collector, at 16)
+                              [--apis 1,16] [--profile out.prof]   (cProfile of the collector, at 16)
+
+`--apis`: at these concurrencies the same conversations also go through the Responses API
+(history resent as items, `store` at its default, true: the response and its conversation
+written to Redis with the pending turn; and `resp/nostore`: store false) and the
+Anthropic Messages API (content blocks), each against the stand-in alone and
+against chat completions in the same run, with the collector's CPU per request and the
+load generator's (`client cpu`: building and parsing each API's bodies, on the same cores).
 
 Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
-completions/s per collector process.
+completions/s per collector process; each API's added p50/p99 within 1 ms of chat's.
 """
 
 from __future__ import annotations
@@ -55,22 +62,44 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def assistant_turn(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """What an agent of this API appends to its history from the answer (output items for
+    responses, as the Agents SDK does; the content blocks for messages)."""
+    if api.startswith("responses"):
+        return list(body["output"])
+    if api == "messages":
+        return [{"role": "assistant", "content": body["content"]}]
+    return [body["choices"][0]["message"]]
+
+
+def request(api: str, system: str, history: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The API's path and body for a conversation (a system prompt, then `history`)."""
+    if api.startswith("responses"):  # store at OpenAI's default (true), as the Agents SDK sends it
+        store = {"store": False} if api == "responses-nostore" else {}
+        return "/v1/responses", {"model": "m", "instructions": system, "input": history,
+                                 "max_output_tokens": 32, **store}  # fmt: skip
+    if api == "messages":
+        return "/v1/messages", {"model": "m", "system": system, "messages": history, "max_tokens": 32}
+    return "/v1/chat/completions", {"model": "m", "max_tokens": 32,
+                                    "messages": [{"role": "system", "content": system}, *history]}  # fmt: skip
+
+
 async def agent(arm: str, url: str, client: Any, rng: random.Random, turns: int,
                 stop_at: float, lat: list[float], prefix_ids: list[int]) -> None:  # fmt: skip
     while time.perf_counter() < stop_at:
-        msgs: list[dict[str, Any]] = [{"role": "system", "content": words(rng, 40)},
-                                      {"role": "user", "content": words(rng, 30)}]  # fmt: skip
+        system = words(rng, 40)
+        history: list[dict[str, Any]] = [{"role": "user", "content": words(rng, 30)}]
         for t in range(turns):
             last = t == turns - 1
-            if arm == "collector":
-                body: dict[str, Any] = {"model": "m", "messages": msgs, "max_tokens": 32}
+            if arm != "direct":
+                path, body = request(arm, system, history)
                 headers = {"x-session-done": "1"} if last else {}
                 t0 = time.perf_counter()
-                r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+                r = await client.post(url + path, json=body, headers=headers)
                 dt = time.perf_counter() - t0
                 r.raise_for_status()
-                msgs = [*msgs, r.json()["choices"][0]["message"],
-                        {"role": "user", "content": words(rng, rng.randint(5, 30))}]  # fmt: skip
+                history = [*history, *assistant_turn(arm, r.json()),
+                           {"role": "user", "content": words(rng, rng.randint(5, 30))}]  # fmt: skip
             else:
                 n = 90 + t * 45  # about the collector's prompt length at this turn
                 body = {"input_ids": (prefix_ids * (n // len(prefix_ids) + 1))[:n],
@@ -101,23 +130,37 @@ async def loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: i
         await asyncio.gather(*(agent(arm, url, client, random.Random(-i - 1), 2, time.perf_counter() + 0.5,
                                      warm, [260, 447, 274]) for i in range(concurrency)))  # fmt: skip
         lat: list[float] = []
+        cpu0 = time.process_time()
         start = time.perf_counter()
         stop_at = start + seconds
         await asyncio.gather(*(agent(arm, url, client, random.Random(i), turns, stop_at, lat,
                                      [260, 447, 274, 318, 474]) for i in range(concurrency)))  # fmt: skip
         elapsed = time.perf_counter() - start
+        client_cpu = time.process_time() - cpu0
     lat.sort()
-    return {"n": len(lat), "warm": len(warm), "rps": len(lat) / elapsed, "p50": lat[len(lat) // 2],
-            "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "mean": statistics.fmean(lat)}  # fmt: skip
+    p50, p99 = quantiles(lat)
+    return {"n": len(lat), "warm": len(warm), "rps": len(lat) / elapsed, "p50": p50, "p99": p99,
+            "mean": statistics.fmean(lat), "lat": lat, "client_cpu": client_cpu}  # fmt: skip
 
 
-def run_loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: int) -> dict[str, Any]:
+def quantiles(lat: list[float]) -> tuple[float, float]:
+    """p50 and p99."""
+    lat = sorted(lat)
+    return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+
+def run_loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: int,
+                keep: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One load generator run; `keep`: with every latency (`lat`)."""
     out = subprocess.run(
         [sys.executable, __file__, "--loadgen", arm, "--url", url, "--concurrency", str(concurrency),
          "--seconds", str(seconds), "--turns", str(turns)],
         cwd=REPO, check=True, capture_output=True, text=True,
     )  # fmt: skip
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    res = dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    if not keep:
+        del res["lat"]
+    return res
 
 
 # -- the harness ---------------------------------------------------------------------------------
@@ -163,7 +206,13 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, default=50.0)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--profile", help="also run the collector under cProfile at concurrency 16")
-    p.add_argument("--loadgen", choices=["direct", "collector"], help=argparse.SUPPRESS)
+    p.add_argument("--apis", default="1,16",
+                   help="concurrencies at which the Responses and Messages APIs are measured "
+                        "beside chat completions (empty: none)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--apis: each arm's --seconds split over this many interleaved runs")
+    p.add_argument("--loadgen", choices=["direct", "collector", "responses", "responses-nostore", "messages"],
+                   help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--profiled-collector", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -217,6 +266,37 @@ def main() -> None:
                   f"{proxy['rps']:>8.0f} {proxy['p50'] * 1e3:>7.2f} {proxy['p99'] * 1e3:>7.2f} | "
                   f"{(proxy['p50'] - direct['p50']) * 1e3:>9.2f} {(proxy['p99'] - direct['p99']) * 1e3:>9.2f} | "
                   f"{emitted:>7.0f} {cpu_ms:>10.2f}", flush=True)  # fmt: skip
+        if a.apis:
+            print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds; added = p - "
+                  "direct p (the stand-in alone); vs chat = added - chat's added, in this run")  # fmt: skip
+            print(f"{'conc':>4} {'api':>12} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
+                  f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
+                  f"{'cpu ms/req':>10} {'client cpu':>10}")  # fmt: skip
+            arms = ("direct", "collector", "responses", "responses-nostore", "messages")
+            for c in [int(x) for x in a.apis.split(",")]:
+                lat: dict[str, list[float]] = {arm: [] for arm in arms}
+                cpu = dict.fromkeys(arms, 0.0)
+                served = dict.fromkeys(arms, 0)
+                client = dict.fromkeys(arms, 0.0)
+                for _ in range(a.rounds):
+                    for arm in arms:
+                        cpu0 = cpu_seconds(collector.pid)
+                        res = run_loadgen(arm, engine_url if arm == "direct" else url, c,
+                                          a.seconds / a.rounds, a.turns, keep=True)  # fmt: skip
+                        cpu[arm] += cpu_seconds(collector.pid) - cpu0
+                        served[arm] += res["n"] + res["warm"]
+                        lat[arm] += res["lat"]
+                        client[arm] += res["client_cpu"]
+                q = {arm: quantiles(v) for arm, v in lat.items()}
+                for arm in arms[1:]:
+                    added = [(q[arm][k] - q["direct"][k]) * 1e3 for k in (0, 1)]
+                    vs = [(q[arm][k] - q["collector"][k]) * 1e3 for k in (0, 1)]
+                    name = {"collector": "chat", "responses-nostore": "resp/nostore"}.get(arm, arm)
+                    print(f"{c:>4} {name:>12} | "
+                          f"{len(lat[arm]) / a.seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
+                          f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | "
+                          f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {cpu[arm] * 1e3 / served[arm]:>10.2f} "
+                          f"{client[arm] * 1e3 / len(lat[arm]):>10.2f}", flush=True)  # fmt: skip
         r.close()
         if a.profile:
             stop_process(collector)

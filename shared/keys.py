@@ -102,6 +102,11 @@ class Keys:
         (kept after the pending turn closes, so a branch from it stays in its session)."""
         return f"{self.prefix}:lineage:{prefix_hash}"
 
+    def stored_response(self, response_id: str) -> str:
+        """A Responses API object kept for `GET /v1/responses/{id}` and `previous_response_id`
+        (JSON: the response and its conversation), with a TTL."""
+        return f"{self.prefix}:response:{response_id}"
+
     # -- buffer -------------------------------------------------------------------
     def session_samples(self, session_id: str) -> str:
         """Set of the turn ids a session has produced samples for (at-least-one rule)."""

@@ -1,4 +1,5 @@
-"""`python -m services.collector [--port N] [--engine-url URL]`: the OpenAI-compatible front door.
+"""`python -m services.collector [--port N] [--engine-url URL]`: the agents' front door
+(OpenAI Chat Completions and Responses, Anthropic Messages).
 
 Settings come from `NEXTSTATE_COLLECTOR__*` (settings.py); the flags override them.
 At start it asks the engine's /model_info for the tokenizer and the served model name
@@ -59,6 +60,7 @@ async def run(settings: CollectorSettings) -> None:
     from services.collector.completion import ChatService
     from services.collector.engine_transport import EngineTransport
     from services.collector.pending_store import connect
+    from services.collector.response_store import ResponseStore
     from services.collector.spool import Spool
     from shared.chat import ChatTemplate
     from shared.engine_client import make_engine_client
@@ -113,7 +115,9 @@ async def run(settings: CollectorSettings) -> None:
             if not await engine.health():
                 raise RuntimeError(f"the engine at {cfg.engine_url} is not healthy")
 
-        app = build_app(cfg, service, {"engine": engine_ready, "redis": bus.ping}, settings.internal)
+        store = ResponseStore(fast, bus.keys, cfg.responses_ttl_s, cfg.redis_timeout_s)
+        app = build_app(cfg, service, {"engine": engine_ready, "redis": bus.ping}, settings.internal,
+                        store)  # fmt: skip
         server = Server(uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_config=None, log_level="warning",
             access_log=False, http="httptools", lifespan="off", backlog=2048,

@@ -55,7 +55,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.collector import metrics as M
 from services.collector.pairing import Candidate, next_state
-from services.collector.pending_store import SWEEP_BATCH, PendingStore
+from services.collector.pending_store import SWEEP_BATCH, KeyValue, PendingStore
 from services.collector.settings import CollectorConfig
 from services.collector.spool import Op, Spool
 from shared import keys as K
@@ -196,11 +196,12 @@ class Capture:
             closed=len(found),
         )
 
-    async def finish(self, turn: Turn, cache: PromptCache, key: str) -> None:
-        """Store the new turn as pending, or emit it now if it ends its session."""
+    async def finish(self, turn: Turn, cache: PromptCache, key: str, extra: KeyValue | None = None) -> bool:
+        """Store the new turn as pending, or emit it now if it ends its session. `extra`
+        rides along with the pending write (one round trip); True when it was written."""
         if turn.closed_by == "session_done":  # emitted before the response goes out
             await self._emit(turn.to_json(), "session_done", self.timeout)
-            return
+            return False
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
         record, lineage = make_record(turn, cache, deadline)
@@ -209,15 +210,16 @@ class Capture:
         if self.state is State.UP:
             try:
                 async with asyncio.timeout(self.timeout):
-                    await self.fast.put(key, record, deadline, lineage, now)
+                    await self.fast.put(key, record, deadline, lineage, now, extra)
                 self._strikes = 0
-                return
+                return True
             except FAILURES as exc:
                 self._failed(exc)
             if self.state is State.UP:  # slow, not down: replay the write later
                 self._spool_pending(key, held)
-                return
+                return False
         self._hold(key, held)
+        return False
 
     # -- emitting ------------------------------------------------------------------------
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from services.collector import metrics as M
 from services.collector.capture import Capture, Lookup
@@ -42,6 +42,7 @@ from services.collector.openai_shapes import (
     logprob_content,
 )
 from services.collector.pairing import candidates, prefix_hashes, response_hash
+from services.collector.pending_store import KeyValue
 from services.collector.request import ChatCall
 from services.collector.settings import CollectorConfig
 from shared.chat import ChatTemplate, ChatTemplateError, PromptCache
@@ -56,6 +57,7 @@ from shared.engine_client.base import TopLogprobs
 from shared.errors import EngineError, EngineRejected, EngineTimeout
 from shared.schemas import Turn
 from shared.toolcalls import (
+    Delta,
     SpecialText,
     StreamParser,
     delta_dicts,
@@ -102,6 +104,34 @@ class Prepared:
     lookup: Lookup
     requested_at: float
     session_id: str
+
+
+@dataclass(slots=True)
+class Answer:
+    """One generated answer, parsed into an assistant message (chat completions' shape):
+    what every API shapes its response from and what the captured `Turn` holds."""
+
+    prep: Prepared
+    result: GenerateResult
+    message: dict[str, Any]
+    finish: str  # chat's finish_reason: stop | length | tool_calls
+    version: str
+    id: str  # the API's id for it (chatcmpl-…, resp_…, msg_…); the Turn's completion_id
+    engine_s: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prep.ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.result.output_ids)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer, if one did."""
+        stop = self.result.matched_stop
+        return stop if self.result.finish_reason == "stop" and isinstance(stop, str) else None
 
 
 class ChatService:
@@ -192,11 +222,12 @@ class ChatService:
 
     async def _capture(
         self, prep: Prepared, message: dict[str, Any], result: GenerateResult, finish: str,
-        cid: str,
-    ) -> None:
+        cid: str, extra: KeyValue | None = None,
+    ) -> bool:
+        """Capture a main-line turn; True when `extra` was written with its pending record."""
         call = prep.call
         if call.turn_type != "main":
-            return
+            return False
         wv = result.weight_version or self.weight_version
         turn = Turn(
             session_id=prep.session_id,
@@ -218,12 +249,12 @@ class ChatService:
             requested_at=prep.requested_at,
             responded_at=time.time(),
         )
-        await self.capture.finish(turn, prep.cache, response_hash(prep.hashes, message))
+        return await self.capture.finish(turn, prep.cache, response_hash(prep.hashes, message), extra)
 
     # -- plain --------------------------------------------------------------------------------
 
-    async def complete(self, call: ChatCall) -> tuple[bytes, dict[str, str]]:
-        t0 = time.perf_counter()
+    async def generate(self, call: ChatCall, answer_id: str) -> Answer:
+        """Template, engine, parse: the answer, not captured yet (`keep` does that)."""
         prep = await self.prepare(call)
         t_engine = time.perf_counter()
         try:
@@ -238,9 +269,27 @@ class ChatService:
             result.text, tools_enabled=call.tools_enabled, parser=self.cfg.tool_parser,
             reasoning=self.cfg.reasoning, reasoning_open=prep.reasoning_open, drop=prep.drop,
         )  # fmt: skip
-        message = message_dict(msg)
-        finish = finish_reason(msg, result.finish_reason)
-        cid = completion_id()
+        return Answer(prep, result, message_dict(msg), finish_reason(msg, result.finish_reason),
+                      version, answer_id, engine_s)  # fmt: skip
+
+    async def keep(self, ans: Answer, extra: ExtraWrite | None = None) -> None:
+        """Store the answer's turn as pending (or emit it), with `extra` (e.g. a stored
+        Responses object) in the same Redis round trip when there is one: both are done
+        before the answer goes out."""
+        item = None if extra is None else extra.item
+        written = await self._capture(ans.prep, ans.message, ans.result, ans.finish, ans.id, item)
+        if extra is not None:
+            await extra.done(written)
+
+    def observe(self, ans: Answer, t0: float) -> None:
+        total = time.perf_counter() - t0
+        M.REQUEST_SECONDS.labels("plain").observe(total)
+        M.OVERHEAD_SECONDS.observe(total - ans.engine_s)
+
+    async def complete(self, call: ChatCall) -> tuple[bytes, dict[str, str]]:
+        t0 = time.perf_counter()
+        ans = await self.generate(call, completion_id())
+        result = ans.result
         logprobs = None
         if call.logprobs:
             entries = self._logprob_entries(
@@ -249,21 +298,22 @@ class ChatService:
             )  # fmt: skip
             logprobs = {"content": entries, "refusal": None}
         body = completion(
-            cid, int(time.time()), self.model_name, message, finish,
-            len(prep.ids), len(result.output_ids), f"nextstate-{version}", logprobs,
+            ans.id, int(time.time()), self.model_name, ans.message, ans.finish,
+            ans.prompt_tokens, ans.completion_tokens, f"nextstate-{ans.version}", logprobs,
         )  # fmt: skip
-        await self._capture(prep, message, result, finish, cid)
+        await self.keep(ans)
         out = dumps(body)
-        total = time.perf_counter() - t0
-        M.REQUEST_SECONDS.labels("plain").observe(total)
-        M.OVERHEAD_SECONDS.observe(total - engine_s)
-        return out, self.headers(prep, version)
+        self.observe(ans, t0)
+        return out, self.headers(ans.prep, ans.version)
 
     # -- streamed -------------------------------------------------------------------------------
 
-    async def open_stream(self, call: ChatCall) -> tuple[AsyncIterator[bytes], dict[str, str]]:
+    async def open_stream(
+        self, call: ChatCall, writer: WriterFactory | None = None
+    ) -> tuple[AsyncIterator[bytes], dict[str, str]]:
         """Start the engine stream and wait for its first chunk, so that a dead or stalled
-        engine is still a plain 502/504 and the headers carry the serving version."""
+        engine is still a plain 502/504 and the headers carry the serving version. `writer`
+        shapes the events (default: chat completion chunks)."""
         prep = await self.prepare(call)
         chunks = self.engine.stream(prep.ids, prep.sampling, **self._engine_kwargs(call))
         try:
@@ -274,36 +324,40 @@ class ChatService:
                 raise self._engine_error(call, exc) from None
             raise _aborted() from None
         version = self._version(first.weight_version)
-        return self._events(prep, chunks, first, version), self.headers(prep, version)
+        make = writer or self._chat_writer
+        return self._events(prep, chunks, first, version, make(prep, version)), self.headers(prep, version)
+
+    def _chat_writer(self, prep: Prepared, version: str) -> EventWriter:
+        return ChatEvents(completion_id(), self.model_name, version, prep.call.include_usage)
 
     async def _events(
         self, prep: Prepared, chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
-        version: str,
+        version: str, out: EventWriter,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         t0 = time.perf_counter()
         call = prep.call
-        out = ChunkWriter(completion_id(), int(time.time()), self.model_name, f"nextstate-{version}")
+        chat = isinstance(out, ChatEvents)
         parser = StreamParser(call.tools_enabled, self.cfg.tool_parser, self.cfg.reasoning,
                               prep.reasoning_open, drop=prep.drop)  # fmt: skip
         joiner = ChunkJoiner()
-        pending: list[dict[str, Any]] = []  # log-prob entries not sent yet
-        yield out.delta({"role": "assistant", "content": ""})
+        for event in out.start():
+            yield event
         chunk = first
+        entries: list[dict[str, Any]] = []
         try:
             while True:
                 joiner.add(chunk)
                 if call.logprobs:
-                    pending += self._logprob_entries(
+                    entries = self._logprob_entries(
                         call, chunk.new_ids, chunk.new_logprobs, chunk.new_top_logprobs,
                         chunk.matched_stop if chunk.finish_reason == "stop" else None,
                     )  # fmt: skip
                 deltas = parser.feed(chunk.new_text) if chunk.new_text else []
                 if chunk.done:
                     deltas += parser.finish()
-                for d in delta_dicts(deltas):
-                    lp = {"content": pending, "refusal": None} if pending else None
-                    pending = []
-                    yield out.delta(d, logprobs=lp)
+                if deltas or entries:
+                    for event in out.feed(deltas, entries):
+                        yield event
                 if chunk.done:
                     break
                 chunk = await anext(aiter(chunks))
@@ -312,25 +366,104 @@ class ChatService:
                 err = exc
             else:
                 err = self._engine_error(call, exc) if isinstance(exc, EngineError) else _aborted()
-            M.REQUESTS.labels("stream", str(err.status)).inc()
+            self._count_stream(chat, err.status)
             yield out.error(err)
             return
         finally:
             await _aclose(chunks)
         result = joiner.result()
         if result.finish_reason == "abort":
-            M.REQUESTS.labels("stream", "502").inc()
+            self._count_stream(chat, 502)
             yield out.error(_aborted())
             return
-        message = message_dict(parser.message())
-        finish = parser.finish_reason(result.finish_reason)
-        yield out.delta({}, finish, logprobs={"content": pending, "refusal": None} if pending else None)
-        await self._capture(prep, message, result, finish, out.id)
-        if call.include_usage:
-            yield out.usage(len(prep.ids), len(result.output_ids))
-        yield out.done()
-        M.REQUESTS.labels("stream", "200").inc()
+        msg = parser.message()
+        ans = Answer(prep, result, message_dict(msg), parser.finish_reason(result.finish_reason),
+                     version, out.answer_id, 0.0)  # fmt: skip
+        # Captured (and persisted) before the closing events: a client that follows up as
+        # soon as it has them cannot outrun its pending turn.
+        await self.keep(ans, out.persist(ans))
+        for event in out.end(ans):
+            yield event
+        self._count_stream(chat, 200)
         M.REQUEST_SECONDS.labels("stream").observe(time.perf_counter() - t0)
+
+    @staticmethod
+    def _count_stream(chat: bool, status: int) -> None:
+        if chat:
+            M.REQUESTS.labels("stream", str(status)).inc()
+
+
+class ExtraWrite(Protocol):
+    """A key written with an answer's capture: in its pending turn's round trip when there
+    is one (`done(True)`), else on its own by `done(False)` (response_store.StoredWrite)."""
+
+    @property
+    def item(self) -> KeyValue:
+        """The key, its value and TTL in ms."""
+
+    async def done(self, written: bool) -> None:
+        """Called once the capture is done: `written` says whether `item` went with it."""
+
+
+class EventWriter(Protocol):
+    """The events of one streamed answer in an API's wire format (chat completion chunks,
+    Responses events, Anthropic message events)."""
+
+    answer_id: str
+
+    def start(self) -> list[bytes]:
+        """Events before the first token."""
+
+    def feed(self, deltas: list[Delta], logprobs: list[dict[str, Any]]) -> list[bytes]:
+        """Events for the parsed deltas of one engine chunk (`logprobs`: chat only)."""
+
+    def persist(self, ans: Answer) -> ExtraWrite | None:
+        """A write to finish with the capture, before the closing events, if any."""
+
+    def end(self, ans: Answer) -> list[bytes]:
+        """The closing events, once the turn is captured."""
+
+    def error(self, err: ApiError) -> bytes:
+        """A failure after the stream began: one event, then the end of the stream."""
+
+
+WriterFactory = Callable[[Prepared, str], EventWriter]
+
+
+class ChatEvents:
+    """Chat completion chunks: `data: {chunk}`, then `data: [DONE]`."""
+
+    def __init__(self, answer_id: str, model: str, version: str, include_usage: bool) -> None:
+        self.answer_id = answer_id
+        self.out = ChunkWriter(answer_id, int(time.time()), model, f"nextstate-{version}")
+        self.include_usage = include_usage
+        self.pending: list[dict[str, Any]] = []  # log-prob entries not sent yet
+
+    def start(self) -> list[bytes]:
+        return [self.out.delta({"role": "assistant", "content": ""})]
+
+    def feed(self, deltas: list[Delta], logprobs: list[dict[str, Any]]) -> list[bytes]:
+        self.pending += logprobs
+        events = []
+        for d in delta_dicts(deltas):
+            lp = {"content": self.pending, "refusal": None} if self.pending else None
+            self.pending = []
+            events.append(self.out.delta(d, logprobs=lp))
+        return events
+
+    def persist(self, ans: Answer) -> ExtraWrite | None:
+        return None
+
+    def end(self, ans: Answer) -> list[bytes]:
+        lp = {"content": self.pending, "refusal": None} if self.pending else None
+        events = [self.out.delta({}, ans.finish, logprobs=lp)]
+        if self.include_usage:
+            events.append(self.out.usage(ans.prompt_tokens, ans.completion_tokens))
+        events.append(self.out.done())
+        return events
+
+    def error(self, err: ApiError) -> bytes:
+        return self.out.error(err)
 
 
 async def _aclose(it: AsyncIterator[Any]) -> None:

@@ -47,3 +47,12 @@ REDIS_UP = Gauge(
 FALLBACK_PENDING = Gauge(
     "nextstate_collector_fallback_pending", "Pending turns held in memory during an outage"
 )
+API_REQUESTS = Counter(
+    "nextstate_collector_api_requests_total",
+    "Responses API and Anthropic Messages API requests answered (chat: requests_total)",
+    ["api", "mode", "status"],  # api: responses | messages; mode: plain | stream (any: refused)
+)  # fmt: skip
+STORED_RESPONSES = Counter(
+    "nextstate_collector_stored_responses_total", "Responses API objects written to Redis",
+    ["result"],  # stored | failed
+)  # fmt: skip

@@ -24,6 +24,7 @@ from typing import Any
 from shared.keys import FIELD, Keys
 
 SWEEP_BATCH = 256
+KeyValue = tuple[str, str, int]  # key, value, TTL in ms
 
 # KEYS: turns, its shed counter, pending-deadlines, then pending:<hash> per candidate.
 # ARGV: stream bound, entry field, closed_by, then per candidate its hash, then per
@@ -113,12 +114,17 @@ class PendingStore:
         lineage = None if lineage_of is None or out[-1] is None else str(out[-1])
         return records, lineage, int(closed[-1])
 
-    async def put(self, h: str, record: str, deadline: float, lineage: str, now: float) -> None:
+    async def put(self, h: str, record: str, deadline: float, lineage: str, now: float,
+                  extra: KeyValue | None = None) -> None:  # fmt: skip
+        """Store a pending turn; `extra` (key, value, TTL in ms) is one more key written in
+        the same round trip (a stored Responses object)."""
         px = self.key_ttl_ms(deadline, now)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.pending_turn(h), record, px=px)
         pipe.zadd(self.keys.pending_deadlines, {h: deadline})
         pipe.set(self.keys.turn_lineage(h), lineage, px=px)
+        if extra is not None:
+            pipe.set(extra[0], extra[1], px=extra[2])
         await pipe.execute()
 
     async def drop(self, hashes: Sequence[str]) -> None:

@@ -64,6 +64,7 @@ MAX_ID = 256  # session ids and `user`
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 TRUE = frozenset({"1", "true", "yes", "on"})
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # function and response_format names, as OpenAI checks them
+NAME_RE = re.compile(NAME)
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
 
@@ -468,42 +469,63 @@ def build_call(req: ChatRequest, headers: Mapping[str, str], cfg: CollectorConfi
     if req.stream_options is not None and not req.stream:
         raise _bad("Invalid value for 'stream_options': stream_options is only allowed when "
                    "'stream' is true.", "stream_options")  # fmt: skip
-    schema = _response_format(req.response_format)
+    return make_call(
+        req.messages, req.tools, tools_enabled=_tools_enabled(req.tool_choice), headers=headers,
+        cfg=cfg, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        max_tokens=req.max_completion_tokens or req.max_tokens, stop=_stop(req.stop), seed=req.seed,
+        json_schema=_response_format(req.response_format), stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        user=req.user, session_id=req.session_id, logprobs=bool(req.logprobs),
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+    )  # fmt: skip
+
+
+def make_call(
+    raw_messages: list[Any], raw_tools: list[Any] | None, *, tools_enabled: bool,
+    headers: Mapping[str, str], cfg: CollectorConfig, temperature: float | None = None,
+    top_p: float | None = None, top_k: int | None = None, max_tokens: int | None = None,
+    stop: list[str] | None = None, seed: int | None = None, json_schema: str | None = None,
+    stream: bool = False, include_usage: bool = False, user: str | None = None,
+    session_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0,
+    messages_param: str = "messages", tools_param: str = "tools",
+) -> ChatCall:  # fmt: skip
+    """The internal conversation (chat messages and tools, checked by the caller) and the
+    sampling and session fields, with the configuration's defaults: one `ChatCall`, whichever
+    API the request came through (chat completions, responses, messages)."""
     try:
-        messages = normalize_messages(req.messages)
+        messages = normalize_messages(raw_messages)
     except ChatTemplateError as exc:
-        raise _bad(str(exc), "messages") from None
+        raise _bad(str(exc), messages_param) from None
     try:
-        tools = normalize_tools(req.tools)
+        tools = normalize_tools(raw_tools)
     except ChatTemplateError as exc:
-        raise _bad(str(exc), "tools") from None
-    enabled = _tools_enabled(req.tool_choice) and tools is not None
-    max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
+        raise _bad(str(exc), tools_param) from None
+    enabled = tools_enabled and tools is not None
     sampling = SamplingParams(
-        temperature=cfg.default_temperature if req.temperature is None else req.temperature,
-        top_p=cfg.default_top_p if req.top_p is None else req.top_p,
-        top_k=cfg.default_top_k if req.top_k is None else req.top_k,
-        max_tokens=max_tokens,
-        stop=_stop(req.stop),
-        seed=req.seed,
-        json_schema=schema,
+        temperature=cfg.default_temperature if temperature is None else temperature,
+        top_p=cfg.default_top_p if top_p is None else top_p,
+        top_k=cfg.default_top_k if top_k is None else top_k,
+        max_tokens=max_tokens or cfg.default_max_tokens,
+        stop=stop,
+        seed=seed,
+        json_schema=json_schema,
     )
-    hint = headers.get("x-session-id") or req.session_id
-    for name, value in (("session_id", hint), ("user", req.user)):
+    hint = headers.get("x-session-id") or session_id
+    for name, value in (("session_id", hint), ("user", user)):
         if value is not None and len(value) > MAX_ID:
             raise _bad(f"{name} is longer than {MAX_ID} characters", name)
     return ChatCall(
-        raw_messages=req.messages,
+        raw_messages=raw_messages,
         messages=messages,
         tools=tools if enabled else None,
         tools_enabled=enabled,
         sampling=sampling,
-        stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        stream=stream,
+        include_usage=include_usage,
         turn_type=_turn_type(headers.get("x-turn-type"), cfg.default_turn_type),
         session_hint=hint.strip() or None if hint else None,
-        user=req.user or None,
+        user=user or None,
         session_done=headers.get("x-session-done", "").strip().lower() in TRUE,
-        logprobs=bool(req.logprobs),
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )

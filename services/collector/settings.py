@@ -11,6 +11,8 @@
     NEXTSTATE_COLLECTOR__PENDING_TTL_S=1800     a turn nobody follows up is emitted without
                                                 a next state after this long
     NEXTSTATE_COLLECTOR__SPOOL_PATH=...         turns kept here while Redis is unreachable
+    NEXTSTATE_COLLECTOR__RESPONSES_TTL_S=3600   /v1/responses objects (store: true) are kept
+                                                this long for previous_response_id and GET
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class CollectorConfig(BaseModel):
     spool_max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
     fallback_max_pending: int = Field(10_000, ge=0, description="pending turns kept in memory in an outage")
     max_pairing_candidates: int = Field(64, ge=1, description="assistant messages checked per request")
+    responses_ttl_s: float = Field(3600.0, gt=0, description="stored Responses API objects live this long")
 
     @field_validator("api_keys", mode="before")
     @classmethod

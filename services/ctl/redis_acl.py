@@ -19,6 +19,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | collector | publish turns (bounded-XADD script: EVALSHA XLEN XADD INCR) | `P:turns`, `P:shed:turns` |
 | | close-and-emit script: EVALSHA (inside it, GET DEL ZREM and the bounded XADD, as granted above and below) | `P:turns`, `P:shed:turns`, `P:pending:*`, `P:pending-deadlines` |
 | | pending turns: GET SET GETDEL DEL ZADD ZREM ZRANGEBYSCORE | `P:pending:*`, `P:pending-deadlines`, `P:lineage:*` |
+| | stored Responses objects (`store`, `previous_response_id`): GET SET DEL | `P:response:*` |
 | judge | consume group `judge`: XGROUP CREATE, XREADGROUP, XACK, XCLAIM, XPENDING, XINFO GROUPS, XLEN, XRANGE, XREVRANGE, XTRIM, EVALSHA (trim) | `P:turns` |
 | | dedupe marks: EXISTS SET | `P:done:judge:*` |
 | | publish scored (bounded XADD) | `P:scored`, `P:shed:scored` |
@@ -224,6 +225,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
             Grant(("evalsha",), _rw(k.turns, k.shed(k.turns), *pending)),
             Grant(("get", "set", "getdel", "del", "zadd", "zrem", "zrangebyscore"),
                   _rw(*pending, k.turn_lineage("*"))),
+            Grant(("get", "set", "del"), _rw(k.stored_response("*"))),
         ]
     if role == "judge":
         return [*_consume(k, K.TURNS, K.GROUP_JUDGE), _publish(k, K.SCORED), _dead(k)]

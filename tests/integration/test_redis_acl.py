@@ -32,6 +32,7 @@ from services.buffer.ledger import Ledger
 from services.buffer.rules import build_sample
 from services.collector.capture import make_record
 from services.collector.pending_store import PendingStore
+from services.collector.response_store import ResponseStore
 from services.ctl import redis_acl
 from services.ctl.__main__ import main as nextstate
 from services.ctl.infra import free_port, redis_argv
@@ -200,6 +201,11 @@ async def test_collector_stores_pending_turns_and_publishes_turns_only(acl: Acl)
     assert await admin.xlen(k.turns) == 3
     assert await bus.publish_raw(K.TURNS, "{}", maxlen=3) is None  # over its bound: shed, counted
     assert await admin.xlen(k.turns) == 3 and await admin.get(k.shed(k.turns)) == "1"
+    responses = ResponseStore(bus.redis, k, ttl_s=60, timeout_s=5)  # /v1/responses with store
+    await responses.put({"id": "resp_1"}, [{"role": "user", "content": "q"}])
+    stored = await responses.get("resp_1")
+    assert stored is not None and stored.messages == [{"role": "user", "content": "q"}]
+    assert await responses.delete("resp_1") and await responses.get("resp_1") is None
 
     await denied(bus.redis.xrange(k.batches))  # reads no batches...
     await denied(bus.redis.xrange(k.turns))  # ...nor even the turns it writes

@@ -36,6 +36,11 @@ TOOLS: list[dict[str, Any]] = [
         },
     }
 ]
+# The same tool as the OpenAI Agents SDK offers it (a FunctionTool, strict_json_schema=False):
+# its Responses tool carries `strict`, which the chat template then renders too.
+STRICT_TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}
+]
 CALL_ARGS = {"city": "Paris"}
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOL_RESULT = '{"weather": "sunny", "degrees": 21}'
@@ -62,10 +67,12 @@ def conversations() -> list[tuple[list[dict[str, Any]], str]]:
 
 
 def build_tool_model(
-    path: str | Path, steps: int = 300, seed: int = 0, special_markers: Sequence[str] = ()
+    path: str | Path, steps: int = 300, seed: int = 0, special_markers: Sequence[str] = (),
+    tool_sets: Sequence[list[dict[str, Any]]] = (TOOLS,),
 ) -> Path:
     """Write the trained model to `path` (an HF folder) and return it (~5 s of one core).
-    `special_markers`: see `tiny_model.build_tokenizer` (e.g. the tool-call markers)."""
+    `special_markers`: see `tiny_model.build_tokenizer` (e.g. the tool-call markers).
+    `tool_sets`: the `tools` the examples are rendered with (each set, every example)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -76,9 +83,10 @@ def build_tool_model(
     tpl = ChatTemplate.from_pretrained(path)
     eos = tpl.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows: list[tuple[list[int], int]] = []  # (prompt + target ids, prompt length)
-    for messages, target in conversations():
-        prompt = tpl.encode(messages, TOOLS)
-        rows.append((prompt + tpl.encode_text(target) + [eos], len(prompt)))
+    for tools in tool_sets:
+        for messages, target in conversations():
+            prompt = tpl.encode(messages, tools)
+            rows.append((prompt + tpl.encode_text(target) + [eos], len(prompt)))
     width = max(len(r) for r, _ in rows)
     pad = tpl.tokenizer.pad_token_id
     ids = torch.full((len(rows), width), pad, dtype=torch.long)

@@ -1,0 +1,368 @@
+"""Every agent API against the real collector and CPU engine, with the real client libraries.
+
+A tiny model trained on the spot to call `get_weather` (tests/support/tool_model.py)
+serves: the OpenAI Agents SDK on its default Responses path (`Runner.run`,
+`Runner.run_streamed`, a function tool), the `openai` client's `responses.create`
+(plain, streamed, `previous_response_id` chains, resent history), the `anthropic`
+client's `messages.create` / `messages.stream` with a tool-use round trip, and
+`langchain-openai`'s `ChatOpenAI.bind_tools` (Chat Completions and Responses). For each,
+the tool result (or the next user input) is the captured turn's next state, and the
+turn's prompt ids equal those of the same conversation sent as a chat completion.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from shared.schemas import Turn
+from tests.support.collector_harness import Turns, collector_process, engine_process, wait_ready
+from tests.support.tool_model import (
+    ANSWER,
+    CALL_ARGS,
+    QUESTIONS,
+    STRICT_TOOLS,
+    TOOL_RESULT,
+    TOOLS,
+    build_tool_model,
+)
+
+pytestmark = pytest.mark.integration
+
+KEY = "apis-key"
+FN = TOOLS[0]["function"]
+RESPONSES_TOOLS = [{"type": "function", **FN}]  # the Responses API's flat function tool
+ANTHROPIC_TOOLS = [{"name": FN["name"], "description": FN["description"], "input_schema": FN["parameters"]}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, str]]:
+    model = build_tool_model(tmp_path_factory.mktemp("api-model"), tool_sets=(TOOLS, STRICT_TOOLS))
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    env = {"NEXTSTATE_ENV": "test", "NEXTSTATE_REDIS__URL": redis_url,
+           "NEXTSTATE_REDIS__PREFIX": prefix}  # fmt: skip
+    engine = engine_process(model)
+    # Greedy unless a request says otherwise: this anthropic client sends no temperature.
+    collector = collector_process(env, engine[1], api_keys=KEY, default_temperature=0)
+    try:
+        wait_ready(engine, collector)
+        yield {"url": collector[1], "prefix": prefix, "redis": redis_url}
+    finally:
+        rc = collector[0].stop()
+        engine[0].stop()
+    assert rc == 0, collector[0].logs()
+
+
+@pytest.fixture
+def client(stack: dict[str, str]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=stack["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def turns(stack: dict[str, str]) -> Iterator[Turns]:
+    t = Turns(stack["redis"], stack["prefix"])
+    yield t
+    t.close()
+
+
+def session() -> str:
+    return "s-" + uuid.uuid4().hex[:12]
+
+
+def by_index(turns: Turns, sid: str, n: int) -> list[Turn]:
+    got = turns.wait(lambda ts: len(ts) >= n, sessions=[sid], timeout=30)
+    return sorted(got, key=lambda t: t.turn_index)
+
+
+def chat_prompt_ids(client: openai.OpenAI, turns: Turns, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]]) -> list[int]:  # fmt: skip
+    """The prompt ids captured for this conversation sent as a chat completion."""
+    sid = session()
+    client.chat.completions.create(
+        model="m", messages=messages, tools=tools, temperature=0, max_tokens=1,  # type: ignore[arg-type]
+        extra_headers={"X-Session-Id": sid, "X-Session-Done": "1"},
+    )  # fmt: skip
+    (t,) = turns.wait(lambda ts: len(ts) == 1, sessions=[sid])
+    return t.prompt_ids
+
+
+def call_message(call_id: str) -> dict[str, Any]:
+    fn = {"name": "get_weather", "arguments": json.dumps(CALL_ARGS)}
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": fn}]}  # fmt: skip
+
+
+def tool_message(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": TOOL_RESULT}
+
+
+def check_tool_round(client: openai.OpenAI, turns: Turns, first: Turn, second: Turn, question: str,
+                     tools: list[dict[str, Any]]) -> str:  # fmt: skip
+    """The call turn and the answer turn of a tool round trip, each with the prompt ids of
+    the same conversation sent as chat; returns the call id."""
+    (call,) = first.response["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == CALL_ARGS
+    assert first.finish_reason == "tool_calls" and first.closed_by == "next_request"
+    assert first.next_state == [tool_message(call["id"])]
+    assert second.response["content"] == ANSWER and second.turn_index == first.turn_index + 1
+    user = {"role": "user", "content": question}
+    assert first.prompt_ids == chat_prompt_ids(client, turns, [user], tools)
+    assert second.prompt_ids == chat_prompt_ids(
+        client, turns, [user, call_message(call["id"]), tool_message(call["id"])], tools)
+    for t in (first, second):
+        assert t.response_ids and t.response_logprobs and len(t.response_logprobs) == len(t.response_ids)
+        assert t.weight_version and t.turn_type == "main"
+    return str(call["id"])
+
+
+# -- the OpenAI Agents SDK, on its default Responses path ------------------------------------
+
+
+def weather_agent(client: openai.AsyncOpenAI, headers: dict[str, str]) -> tuple[Any, Any]:
+    from agents import Agent, FunctionTool, ModelSettings, RunConfig
+    from agents.models.openai_provider import OpenAIProvider
+
+    async def get_weather(ctx: Any, args: str) -> str:
+        assert json.loads(args) == CALL_ARGS
+        return TOOL_RESULT
+
+    tool = FunctionTool(name="get_weather", description=FN["description"],
+                        params_json_schema=FN["parameters"], on_invoke_tool=get_weather,
+                        strict_json_schema=False)  # fmt: skip
+    settings = ModelSettings(temperature=0, max_tokens=64, extra_headers=headers)
+    agent = Agent(name="weather", model="m", tools=[tool], model_settings=settings)
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    return agent, config
+
+
+@pytest.fixture
+async def aclient(stack: dict[str, str]) -> Any:
+    async with openai.AsyncOpenAI(base_url=stack["url"] + "/v1", api_key=KEY, max_retries=0,
+                                  timeout=60) as c:  # fmt: skip
+        yield c
+
+
+async def say_thanks(aclient: openai.AsyncOpenAI, sid: str, items: list[Any]) -> None:
+    """The user goes on: the answer's next state is that message (the turn ends the session)."""
+    from agents import Runner
+
+    agent, config = weather_agent(aclient, {"X-Session-Id": sid, "X-Session-Done": "1"})
+    await Runner.run(agent, [*items, {"role": "user", "content": "thanks"}], run_config=config,
+                     max_turns=1)  # fmt: skip
+
+
+async def test_agents_sdk_runner_run(aclient: openai.AsyncOpenAI, client: openai.OpenAI,
+                                     turns: Turns) -> None:  # fmt: skip
+    from agents import Runner
+
+    sid = session()
+    agent, config = weather_agent(aclient, {"X-Session-Id": sid})
+    result = await Runner.run(agent, QUESTIONS[0], run_config=config)
+    assert result.final_output == ANSWER
+    await say_thanks(aclient, sid, result.to_input_list())
+    first, second, third = by_index(turns, sid, 3)[:3]
+    check_tool_round(client, turns, first, second, QUESTIONS[0], STRICT_TOOLS)
+    assert second.closed_by == "next_request"
+    assert second.next_state == [{"role": "user", "content": "thanks"}]
+    assert third.closed_by == "session_done"
+
+
+async def test_agents_sdk_run_streamed(aclient: openai.AsyncOpenAI, client: openai.OpenAI,
+                                       turns: Turns) -> None:  # fmt: skip
+    from agents import Runner
+
+    sid = session()
+    agent, config = weather_agent(aclient, {"X-Session-Id": sid})
+    streamed = Runner.run_streamed(agent, QUESTIONS[1], run_config=config)
+    kinds = [e.data.type async for e in streamed.stream_events() if e.type == "raw_response_event"]
+    assert streamed.final_output == ANSWER
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.function_call_arguments.delta" in kinds and "response.output_text.delta" in kinds
+    assert kinds.count("response.completed") == 2
+    await say_thanks(aclient, sid, streamed.to_input_list())
+    first, second = by_index(turns, sid, 3)[:2]
+    check_tool_round(client, turns, first, second, QUESTIONS[1], STRICT_TOOLS)
+    assert second.next_state == [{"role": "user", "content": "thanks"}]
+
+
+# -- the openai client's responses.create --------------------------------------------------------
+
+
+def test_responses_create_and_previous_response_id_chain(
+    client: openai.OpenAI, turns: Turns
+) -> None:
+    raw = client.responses.with_raw_response.create(
+        model="m", input=QUESTIONS[0], tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=64,  # type: ignore[arg-type]
+    )  # fmt: skip
+    sid = raw.headers["x-session-id"]
+    r1 = raw.parse()
+    assert r1.status == "completed" and r1.id.startswith("resp_")
+    (call,) = r1.output
+    assert call.type == "function_call" and json.loads(call.arguments) == CALL_ARGS
+    assert r1.usage is not None and r1.usage.output_tokens > 0
+    assert client.responses.retrieve(r1.id).model_dump() == r1.model_dump()
+    r2 = client.responses.create(
+        model="m", previous_response_id=r1.id, tools=RESPONSES_TOOLS, temperature=0,  # type: ignore[arg-type]
+        max_output_tokens=64,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}],
+    )  # fmt: skip
+    assert r2.output_text == ANSWER and r2.previous_response_id == r1.id
+    r3 = client.responses.create(model="m", previous_response_id=r2.id, input="thanks",
+                                 tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=8,  # type: ignore[arg-type]
+                                 extra_headers={"X-Session-Done": "1"})  # fmt: skip
+    assert r3.status in ("completed", "incomplete")
+    first, second, third = by_index(turns, sid, 3)
+    check_tool_round(client, turns, first, second, QUESTIONS[0], TOOLS)
+    assert second.next_state == [{"role": "user", "content": "thanks"}]
+    assert third.closed_by == "session_done" and third.completion_id == r3.id
+    assert first.completion_id == r1.id and second.completion_id == r2.id
+
+
+def test_responses_streamed_and_resent_history(client: openai.OpenAI, turns: Turns) -> None:
+    user = {"role": "user", "content": QUESTIONS[1]}
+    with client.responses.with_streaming_response.create(
+        model="m", input=[user], tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=64,  # type: ignore[arg-type, list-item]
+        stream=True, store=False,
+    ) as raw:  # fmt: skip
+        sid = raw.headers["x-session-id"]
+        events = list(raw.parse())
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response  # type: ignore[union-attr]
+    (call,) = final.output
+    assert call.type == "function_call" and json.loads(call.arguments) == CALL_ARGS
+    # store=False: nothing to continue from; the agent resends the history instead.
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(final.id)
+    history = [user, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}]  # fmt: skip
+    with client.responses.stream(model="m", input=history, tools=RESPONSES_TOOLS, temperature=0,  # type: ignore[arg-type]
+                                 max_output_tokens=64, extra_headers={"X-Session-Done": "1"}) as s:  # fmt: skip
+        text = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+        answer = s.get_final_response()
+    assert text == ANSWER == answer.output_text
+    first, second = by_index(turns, sid, 2)
+    check_tool_round(client, turns, first, second, QUESTIONS[1], TOOLS)
+    assert second.closed_by == "session_done"
+
+
+# -- the anthropic client ----------------------------------------------------------------------------
+
+
+def test_anthropic_messages_tool_use_round_trip(
+    stack: dict[str, str], client: openai.OpenAI, turns: Turns
+) -> None:
+    sid = session()
+    with anthropic.Anthropic(base_url=stack["url"], api_key=KEY, max_retries=0, timeout=60,
+                             default_headers={"X-Session-Id": sid}) as ac:  # fmt: skip
+        user = {"role": "user", "content": QUESTIONS[0]}
+        first = ac.messages.create(model="m", max_tokens=64, messages=[user],  # type: ignore[list-item]
+                                   tools=ANTHROPIC_TOOLS)  # type: ignore[arg-type]
+        assert first.stop_reason == "tool_use" and first.id.startswith("msg_")
+        (use,) = first.content
+        assert use.type == "tool_use" and use.name == "get_weather" and use.input == CALL_ARGS
+        result = {"type": "tool_result", "tool_use_id": use.id, "content": TOOL_RESULT}
+        follow = [user, {"role": "assistant", "content": first.content},
+                  {"role": "user", "content": [result]}]  # fmt: skip
+        with ac.messages.stream(model="m", max_tokens=64, messages=follow,  # type: ignore[arg-type]
+                                tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
+                                extra_headers={"X-Session-Done": "1"}) as s:  # fmt: skip
+            text = "".join(s.text_stream)
+            final = s.get_final_message()
+    assert text == ANSWER and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens > 0 and final.usage.input_tokens > 0
+    a, b = by_index(turns, sid, 2)
+    check_tool_round(client, turns, a, b, QUESTIONS[0], TOOLS)
+    assert a.completion_id == first.id and b.completion_id == final.id
+
+
+def test_anthropic_auth_and_errors(stack: dict[str, str]) -> None:
+    url = stack["url"] + "/v1/messages"
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    ok = httpx.post(url, json=body, headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
+    for headers, status, kind in [
+        ({}, 401, "authentication_error"), ({"x-api-key": "wrong"}, 401, "authentication_error"),
+    ]:  # fmt: skip
+        r = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert r.status_code == status and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == kind
+    with anthropic.Anthropic(base_url=stack["url"], api_key=KEY, max_retries=0, timeout=30) as ac:
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+        with pytest.raises(anthropic.BadRequestError, match="text only") as bad:
+            ac.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [image]}])  # type: ignore[list-item]
+        assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        with pytest.raises(anthropic.BadRequestError, match="web_search"):
+            ac.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                               tools=[{"type": "web_search_20250305", "name": "web_search"}])  # fmt: skip
+    wrong = httpx.get(url, headers={"x-api-key": KEY}, timeout=30)
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_responses_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="web_search") as bad:
+        client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    assert bad.value.param == "tools"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="m", input="hi", previous_response_id="resp_nope")
+    assert missing.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError, match="No tool output found"):
+        client.responses.create(model="m", input=[
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}])  # fmt: skip
+
+
+def test_side_turns_are_served_not_captured(stack: dict[str, str], client: openai.OpenAI,
+                                            turns: Turns) -> None:  # fmt: skip
+    sid = session()
+    side = {"X-Session-Id": sid, "X-Turn-Type": "side", "X-Session-Done": "1"}
+    assert client.responses.create(model="m", input="hi", max_output_tokens=4, extra_headers=side).id
+    with anthropic.Anthropic(base_url=stack["url"], api_key=KEY, max_retries=0, timeout=30) as ac:
+        assert ac.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                  extra_headers=side).id  # fmt: skip
+    # A main turn that ends the session is emitted before its response returns; the side
+    # ones (which would have been too, as main turns) are not there.
+    client.responses.create(model="m", input="hi", max_output_tokens=4,
+                            extra_headers={**side, "X-Turn-Type": "main"})  # fmt: skip
+    (only,) = turns.wait(lambda ts: len(ts) >= 1, sessions=[sid])
+    assert only.turn_type == "main" and len(turns.of(sid)) == 1
+
+
+# -- langchain-openai ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("responses_api", [False, True], ids=["chat", "responses"])
+def test_langchain_bind_tools(
+    stack: dict[str, str], client: openai.OpenAI, turns: Turns, responses_api: bool
+) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    sid = session()
+    llm = ChatOpenAI(model="m", base_url=stack["url"] + "/v1", api_key=KEY, temperature=0,  # type: ignore[arg-type]
+                     max_tokens=64, max_retries=0, timeout=60, use_responses_api=responses_api,
+                     default_headers={"X-Session-Id": sid})  # fmt: skip
+    bound = llm.bind_tools(TOOLS)
+    history: list[Any] = [HumanMessage(QUESTIONS[1])]
+    ai = bound.invoke(history)
+    (call,) = ai.tool_calls  # type: ignore[attr-defined]
+    assert call["name"] == "get_weather" and call["args"] == CALL_ARGS
+    history += [ai, ToolMessage(TOOL_RESULT, tool_call_id=call["id"])]
+    answer = bound.invoke(history)
+    assert answer.text == ANSWER
+    # The answer's turn waits for what comes next; the call's turn is closed by the result.
+    (first,) = turns.wait(lambda ts: len(ts) == 1, sessions=[sid])
+    assert first.next_state == [tool_message(call["id"])]
+    user = {"role": "user", "content": QUESTIONS[1]}
+    assert first.prompt_ids == chat_prompt_ids(client, turns, [user], TOOLS)
