@@ -104,10 +104,18 @@ class Turn(Message):
     # Every message between this response and the end of the request that followed it
     # (the user's reply, or all tool results). None: the session ended or the turn expired.
     next_state: list[dict[str, Any]] | None = None
-    closed_by: Literal["next_request", "session_done", "ttl", "import"] = "next_request"
+    # unchosen: a sibling of the group member the follow-up continued (see group_id);
+    # its next state is None, or the chosen member's under GROUP_UNCHOSEN=judge.
+    closed_by: Literal["next_request", "session_done", "ttl", "import", "unchosen"] = "next_request"
     source: Literal["collector", "import"] = "collector"
     requested_at: float | None = None
     responded_at: float | None = None
+    # A group: the n choices of one chat completion (`n > 1`), sampled from the same
+    # prompt. Every member has the group's id (the completion's id), its choice index
+    # and the group's size; a turn of its own has none (size 1).
+    group_id: str | None = Field(None, min_length=1, max_length=256)
+    group_index: int = Field(0, ge=0)
+    group_size: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _aligned(self) -> Turn:
@@ -118,7 +126,16 @@ class Turn(Message):
                 f"response_logprobs has {len(self.response_logprobs)} entries "
                 f"for {len(self.response_ids)} response_ids"
             )
+        if self.group_index >= self.group_size:
+            raise ValueError(f"group_index {self.group_index} outside a group of {self.group_size}")
+        if self.group_size > 1 and self.group_id is None:
+            raise ValueError(f"a group of {self.group_size} needs a group_id")
         return self
+
+    @property
+    def grouped(self) -> bool:
+        """One of the n choices of a completion (n > 1)."""
+        return self.group_id is not None and self.group_size > 1
 
 
 class Vote(BaseModel):
@@ -187,6 +204,7 @@ class TrainSample(Message):
     temperature: float = Field(1.0, ge=0)
     mode: Mode = "rl"
     forced: bool = False  # kept only by the at-least-one rule
+    group_id: str | None = None  # the Turn's group (n > 1 choices of one completion)
 
     @model_validator(mode="after")
     def _shapes(self) -> TrainSample:

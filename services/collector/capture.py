@@ -98,16 +98,47 @@ class Held:
     lineage: str
 
 
-def make_record(turn: Turn, cache: PromptCache, deadline: float) -> tuple[str, str]:
+def make_record(
+    turn: Turn, cache: PromptCache, deadline: float, siblings: Sequence[str] | None = None,
+    same: Sequence[str] = (),
+) -> tuple[str, str]:  # fmt: skip
     """(record, lineage): three JSON lines — header, PromptCache, Turn without prompt_ids
-    (they are the cache's ids) — so a request parses only the first two."""
-    header = json.dumps(
-        {"deadline": deadline, "session_id": turn.session_id, "turn_index": turn.turn_index},
-        separators=(",", ":"),
-    )
+    (they are the cache's ids) — so a request parses only the first two. A group member's
+    header also lists the pending hashes of its `siblings` and of its twins (`same`)."""
+    info = {"deadline": deadline, "session_id": turn.session_id, "turn_index": turn.turn_index}
+    lineage = json.dumps(info, separators=(",", ":"))
+    header = lineage
+    if siblings is not None:
+        header = json.dumps({**info, "siblings": list(siblings), "same": list(same)},
+                            separators=(",", ":"))  # fmt: skip
     # Closing appends these three (pending_store.py); the ids are the cache's.
     body = turn.model_dump_json(exclude={"prompt_ids", "next_state", "closed_by"})
-    return f"{header}\n{cache.to_json()}\n{body}", header
+    return f"{header}\n{cache.to_json()}\n{body}", lineage
+
+
+def group_records(
+    turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str], deadline: float
+) -> list[tuple[str, Held]]:
+    """The pending (hash, record) of each member of a group. `keys[i]` is choice i's
+    response hash; a choice identical to an earlier one (same hash) is its twin, stored
+    under `<hash>.<index>` where no request looks, and closed with it."""
+    stored = [key if key not in keys[:i] else f"{key}.{i}" for i, key in enumerate(keys)]
+    out = []
+    for i, (turn, key) in enumerate(zip(turns, keys, strict=True)):
+        if stored[i] == key:  # it holds its hash: a request continuing it finds it
+            siblings = [s for s, k in zip(stored, keys, strict=True) if k != key]
+            same = [s for j, (s, k) in enumerate(zip(stored, keys, strict=True)) if k == key and j != i]
+            record, lineage = make_record(turn, cache, deadline, siblings, same)
+        else:  # a twin: closed by the one holding its hash, or expired
+            record, lineage = make_record(turn, cache, deadline)
+        out.append((stored[i], Held(record, deadline, lineage)))
+    return out
+
+
+def group_of(record: str) -> tuple[list[str], list[str]]:
+    """(siblings, twins) named in a pending record's header; empty for a lone turn."""
+    header = json.loads(record.split("\n", 1)[0])
+    return list(header.get("siblings", ())), list(header.get("same", ()))
 
 
 def _dumps(obj: Any) -> str:
@@ -134,8 +165,8 @@ class Capture:
         self.bus = bus
         self.spool = spool
         bound = bus.streams.maxlen
-        self.fast = PendingStore(fast, bus.keys, cfg.pending_ttl_s, bound)
-        self.store = PendingStore(bus.redis, bus.keys, cfg.pending_ttl_s, bound)
+        self.fast = PendingStore(fast, bus.keys, cfg.pending_ttl_s, bound, cfg.group_unchosen)
+        self.store = PendingStore(bus.redis, bus.keys, cfg.pending_ttl_s, bound, cfg.group_unchosen)
         self.timeout = cfg.redis_timeout_s
         self.slow_timeout = cfg.redis_background_timeout_s
         self._strikes = 0
@@ -159,13 +190,15 @@ class Capture:
         if self.state is not State.DOWN:
             try:
                 async with asyncio.timeout(self.timeout):
-                    records, lineage, shed = await self.fast.lookup(
-                        keys, keys[-1], [_dumps(st) for st in states])
+                    closed, lineage = await self.fast.lookup(keys, keys[-1], [_dumps(st) for st in states])
                 self._strikes = 0
+                records = closed.records
                 emitted = sum(1 for r in records if r is not None)
-                M.TURNS.labels("next_request").inc(emitted)
-                if shed:
-                    M.SHED.labels("stream_bound").inc(shed)
+                M.TURNS.labels("next_request").inc(emitted + closed.twins)
+                M.TURNS.labels("unchosen").inc(closed.unchosen)
+                M.PENDING.labels("unchosen_dropped").inc(closed.dropped)
+                if closed.shed:
+                    M.SHED.labels("stream_bound").inc(closed.shed)
             except FAILURES as exc:
                 self._failed(exc)
         if self._local:
@@ -173,8 +206,7 @@ class Capture:
                 held = self._local.pop(k, None) if records[i] is None else None
                 if held is not None:
                     records[i] = held.record
-                    self._closed_locally(k)
-                    self._spool_turn(closed_turn(held.record, "next_request", states[i]), "next_request")
+                    self._close_local(k, held, states[i])
                     if i == len(keys) - 1 and lineage is None:
                         lineage = held.lineage
             M.FALLBACK_PENDING.set(len(self._local))
@@ -205,20 +237,37 @@ class Capture:
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
         record, lineage = make_record(turn, cache, deadline)
-        held = Held(record, deadline, lineage)
-        M.PENDING.labels("stored").inc()
+        return await self._store([(key, Held(record, deadline, lineage))], deadline, now, extra)
+
+    async def finish_group(self, turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str]) -> None:
+        """The n members of a group (`keys[i]`: choice i's response hash) as pending turns
+        that close together (group_records), in one round trip; or emitted now if the
+        request ended its session."""
+        if turns[0].closed_by == "session_done":
+            await asyncio.gather(*(self._emit(t.to_json(), "session_done", self.timeout) for t in turns))
+            return
+        now = time.time()
+        deadline = now + self.cfg.pending_ttl_s
+        await self._store(group_records(turns, cache, keys, deadline), deadline, now, None)
+
+    async def _store(self, entries: list[tuple[str, Held]], deadline: float, now: float,
+                     extra: KeyValue | None) -> bool:  # fmt: skip
+        M.PENDING.labels("stored").inc(len(entries))
         if self.state is State.UP:
             try:
                 async with asyncio.timeout(self.timeout):
-                    await self.fast.put(key, record, deadline, lineage, now, extra)
+                    items = [(key, held.record, held.lineage) for key, held in entries]
+                    await self.fast.put_many(items, deadline, now, extra)
                 self._strikes = 0
                 return True
             except FAILURES as exc:
                 self._failed(exc)
             if self.state is State.UP:  # slow, not down: replay the write later
-                self._spool_pending(key, held)
+                for key, held in entries:
+                    self._spool_pending(key, held)
                 return False
-        self._hold(key, held)
+        for key, held in entries:
+            self._hold(key, held)
         return False
 
     # -- emitting ------------------------------------------------------------------------
@@ -285,6 +334,26 @@ class Capture:
     def _spool_pending(self, key: str, held: Held) -> None:
         self._spool({"op": "pending", "h": key, "record": held.record,
                      "deadline": held.deadline, "lineage": held.lineage})  # fmt: skip
+
+    def _close_local(self, key: str, held: Held, state: list[dict[str, Any]]) -> None:
+        """Close a turn held in memory (an outage) and, as the close script does, its group
+        siblings held here too. Siblings already in Redis are left to expire there."""
+        self._closed_locally(key)
+        self._spool_turn(closed_turn(held.record, "next_request", state), "next_request")
+        siblings, twins = group_of(held.record)
+        mode = self.cfg.group_unchosen
+        for other, twin in [*((t, True) for t in twins), *((s, False) for s in siblings)]:
+            sib = self._local.pop(other, None)
+            if sib is None:
+                continue
+            self._closed_locally(other)
+            if twin:
+                self._spool_turn(closed_turn(sib.record, "next_request", state), "next_request")
+            elif mode == "drop":
+                M.PENDING.labels("unchosen_dropped").inc()
+            else:
+                self._spool_turn(closed_turn(sib.record, "unchosen", state if mode == "judge" else None),
+                                 "unchosen")  # fmt: skip
 
     def _closed_locally(self, key: str) -> None:
         self._closed_here.add(key)

@@ -23,6 +23,7 @@ sampling params, marking the sample as constrained.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -36,8 +37,10 @@ from services.collector.openai_shapes import (
     ApiError,
     ChunkWriter,
     TokenPieces,
+    choice,
     completion,
     completion_id,
+    completion_of,
     dumps,
     logprob_content,
 )
@@ -55,7 +58,7 @@ from shared.engine_client import (
 )
 from shared.engine_client.base import TopLogprobs
 from shared.errors import EngineError, EngineRejected, EngineTimeout
-from shared.schemas import Turn
+from shared.schemas import SamplingParams, Turn
 from shared.toolcalls import (
     Delta,
     SpecialText,
@@ -82,6 +85,21 @@ def engine_error(exc: EngineError) -> ApiError:
         return ApiError(status, f"the model server refused the request: {exc}", code="engine_rejected")
     return ApiError(502, "the model server is unavailable; retry later",
                     code="engine_unavailable", kind="server_error")  # fmt: skip
+
+
+def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
+    """Choice i's sampling parameters: seed + i when a seed is set (the choices differ,
+    each reproducible), else the call's."""
+    if sampling.seed is None or i == 0:
+        return sampling
+    return sampling.model_copy(update={"seed": sampling.seed + i})
+
+
+def with_seed(sampling: SamplingLike, seed: int | None) -> SamplingLike:
+    """What goes to the engine for a choice: the prepared sampling with that choice's seed."""
+    if isinstance(sampling, SamplingParams):
+        return sampling if sampling.seed == seed else sampling.model_copy(update={"seed": seed})
+    return sampling if sampling.get("seed") == seed else {**sampling, "seed": seed}
 
 
 def _aborted() -> ApiError:
@@ -118,6 +136,7 @@ class Answer:
     version: str
     id: str  # the API's id for it (chatcmpl-…, resp_…, msg_…); the Turn's completion_id
     engine_s: float = 0.0
+    sampling: SamplingParams | None = None  # a group member's own (its seed); None: the call's
 
     @property
     def prompt_tokens(self) -> int:
@@ -220,36 +239,34 @@ class ChatService:
             out["x-session-id"] = sid
         return out
 
-    async def _capture(
-        self, prep: Prepared, message: dict[str, Any], result: GenerateResult, finish: str,
-        cid: str, extra: KeyValue | None = None,
-    ) -> bool:
-        """Capture a main-line turn; True when `extra` was written with its pending record."""
-        call = prep.call
-        if call.turn_type != "main":
-            return False
+    def _turn(self, ans: Answer, group: tuple[str, int, int] | None = None) -> Turn:
+        """The Turn of an answer; `group`: (id, choice index, size) of a group member."""
+        prep, result, call = ans.prep, ans.result, ans.prep.call
         wv = result.weight_version or self.weight_version
-        turn = Turn(
+        gid, index, size = group if group is not None else (None, 0, 1)
+        return Turn(
             session_id=prep.session_id,
             turn_index=max(0, prep.lookup.turn_index),
             turn_type="main",
             model=self.model_name,
             messages=call.raw_messages,
             tools=call.tools,
-            response=message,
+            response=ans.message,
             prompt_ids=prep.ids,
             response_ids=result.output_ids,
             response_logprobs=result.output_logprobs,
-            sampling=call.sampling,
+            sampling=ans.sampling or call.sampling,
             weight_version=wv,
             policy_version=int(wv) if wv.isdigit() else 0,
-            finish_reason=finish,
-            completion_id=cid,
+            finish_reason=ans.finish,
+            completion_id=ans.id,
             closed_by="session_done" if call.session_done else "next_request",
             requested_at=prep.requested_at,
             responded_at=time.time(),
+            group_id=gid,
+            group_index=index,
+            group_size=size,
         )
-        return await self.capture.finish(turn, prep.cache, response_hash(prep.hashes, message), extra)
 
     # -- plain --------------------------------------------------------------------------------
 
@@ -261,23 +278,30 @@ class ChatService:
             result = await self.engine.generate(prep.ids, prep.sampling, **self._engine_kwargs(call))
         except EngineError as exc:
             raise self._engine_error(call, exc) from None
-        engine_s = time.perf_counter() - t_engine
+        return self._answer(prep, result, answer_id, time.perf_counter() - t_engine)
+
+    def _answer(self, prep: Prepared, result: GenerateResult, answer_id: str, engine_s: float,
+                sampling: SamplingParams | None = None) -> Answer:  # fmt: skip
         if result.finish_reason == "abort":
             raise _aborted()
+        call = prep.call
         version = self._version(result.weight_version)
         msg = parse_assistant(
             result.text, tools_enabled=call.tools_enabled, parser=self.cfg.tool_parser,
             reasoning=self.cfg.reasoning, reasoning_open=prep.reasoning_open, drop=prep.drop,
         )  # fmt: skip
         return Answer(prep, result, message_dict(msg), finish_reason(msg, result.finish_reason),
-                      version, answer_id, engine_s)  # fmt: skip
+                      version, answer_id, engine_s, sampling)  # fmt: skip
 
     async def keep(self, ans: Answer, extra: ExtraWrite | None = None) -> None:
         """Store the answer's turn as pending (or emit it), with `extra` (e.g. a stored
         Responses object) in the same Redis round trip when there is one: both are done
         before the answer goes out."""
-        item = None if extra is None else extra.item
-        written = await self._capture(ans.prep, ans.message, ans.result, ans.finish, ans.id, item)
+        written = False
+        if ans.prep.call.turn_type == "main":
+            key = response_hash(ans.prep.hashes, ans.message)
+            written = await self.capture.finish(self._turn(ans), ans.prep.cache, key,
+                                                None if extra is None else extra.item)  # fmt: skip
         if extra is not None:
             await extra.done(written)
 
@@ -286,25 +310,73 @@ class ChatService:
         M.REQUEST_SECONDS.labels("plain").observe(total)
         M.OVERHEAD_SECONDS.observe(total - ans.engine_s)
 
+    def _logprobs(self, ans: Answer) -> dict[str, Any] | None:
+        """`choices[].logprobs` of an answer when the call asked for them."""
+        call, result = ans.prep.call, ans.result
+        if not call.logprobs:
+            return None
+        entries = self._logprob_entries(
+            call, result.output_ids, result.output_logprobs, result.output_top_logprobs,
+            result.matched_stop if result.finish_reason == "stop" else None,
+        )  # fmt: skip
+        return {"content": entries, "refusal": None}
+
     async def complete(self, call: ChatCall) -> tuple[bytes, dict[str, str]]:
+        if call.n > 1:
+            return await self.complete_group(call)
         t0 = time.perf_counter()
         ans = await self.generate(call, completion_id())
-        result = ans.result
-        logprobs = None
-        if call.logprobs:
-            entries = self._logprob_entries(
-                call, result.output_ids, result.output_logprobs, result.output_top_logprobs,
-                result.matched_stop if result.finish_reason == "stop" else None,
-            )  # fmt: skip
-            logprobs = {"content": entries, "refusal": None}
         body = completion(
             ans.id, int(time.time()), self.model_name, ans.message, ans.finish,
-            ans.prompt_tokens, ans.completion_tokens, f"nextstate-{ans.version}", logprobs,
+            ans.prompt_tokens, ans.completion_tokens, f"nextstate-{ans.version}", self._logprobs(ans),
         )  # fmt: skip
         await self.keep(ans)
         out = dumps(body)
         self.observe(ans, t0)
         return out, self.headers(ans.prep, ans.version)
+
+    # -- groups: n > 1 choices ----------------------------------------------------------------
+
+    async def complete_group(self, call: ChatCall) -> tuple[bytes, dict[str, str]]:
+        """n choices sampled from one prompt: n engine requests of the same ids at once
+        (the engine's prefix cache shares the prompt: SGLang's radix cache, vLLM's prefix
+        caching; ours prefills each and decodes them in one batch), so the client code is
+        the one every engine speaks. With a seed, choice i samples with seed + i. Any
+        failure fails the request (the others are cancelled) and nothing is captured.
+        Captured as one group: n turns sharing the completion's id as `group_id`."""
+        t0 = time.perf_counter()
+        cid = completion_id()
+        prep = await self.prepare(call)
+        kwargs = self._engine_kwargs(call)
+        samplings = [choice_sampling(call.sampling, i) for i in range(call.n)]
+        t_engine = time.perf_counter()
+        tasks = [asyncio.create_task(self.engine.generate(prep.ids, with_seed(prep.sampling, sp.seed), **kwargs))
+                 for sp in samplings]  # fmt: skip
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException as exc:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(exc, EngineError):
+                raise self._engine_error(call, exc) from None
+            raise
+        engine_s = time.perf_counter() - t_engine
+        answers = [self._answer(prep, r, cid, engine_s, sp) for r, sp in zip(results, samplings, strict=True)]
+        first = answers[0]
+        choices = [choice(i, a.message, a.finish, self._logprobs(a)) for i, a in enumerate(answers)]
+        body = completion_of(
+            cid, int(time.time()), self.model_name, choices, first.prompt_tokens,
+            sum(a.completion_tokens for a in answers), f"nextstate-{first.version}",
+        )  # fmt: skip
+        if call.turn_type == "main":
+            turns = [self._turn(a, (cid, i, call.n)) for i, a in enumerate(answers)]
+            keys = [response_hash(prep.hashes, a.message) for a in answers]
+            await self.capture.finish_group(turns, prep.cache, keys)
+        M.GROUP_CHOICES.inc(call.n)
+        out = dumps(body)
+        self.observe(first, t0)
+        return out, self.headers(prep, first.version)
 
     # -- streamed -------------------------------------------------------------------------------
 

@@ -26,7 +26,11 @@ TURNS = Counter(
     ["closed_by"],
 )  # fmt: skip
 PENDING = Counter(
-    "nextstate_collector_pending_total", "Pending-turn events", ["event"],  # stored|closed|expired
+    "nextstate_collector_pending_total", "Pending-turn events",
+    ["event"],  # stored | closed | expired | unchosen_dropped (a group sibling, GROUP_UNCHOSEN=drop)
+)  # fmt: skip
+GROUP_CHOICES = Counter(
+    "nextstate_collector_group_choices_total", "Choices answered in completions with n > 1"
 )
 SPOOLED = Counter(
     "nextstate_collector_spooled_total", "Capture operations written to the local spool", ["op"]

@@ -71,22 +71,36 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def completion(
-    cid: str, created: int, model: str, message: dict[str, Any], finish_reason: str,
-    prompt_tokens: int, completion_tokens: int, fingerprint: str,
-    logprobs: dict[str, Any] | None = None,
+def choice(
+    index: int, message: dict[str, Any], finish_reason: str, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_of(
+    cid: str, created: int, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+    completion_tokens: int, fingerprint: str,
+) -> dict[str, Any]:  # fmt: skip
+    """A chat completion with these choices; usage counts the prompt once and every
+    choice's tokens, as OpenAI does for n > 1."""
     return {
         "id": cid,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": fingerprint,
-        "choices": [
-            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
+        "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
     }
+
+
+def completion(
+    cid: str, created: int, model: str, message: dict[str, Any], finish_reason: str,
+    prompt_tokens: int, completion_tokens: int, fingerprint: str,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return completion_of(cid, created, model, [choice(0, message, finish_reason, logprobs)],
+                         prompt_tokens, completion_tokens, fingerprint)  # fmt: skip
 
 
 class ChunkWriter:

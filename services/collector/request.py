@@ -19,8 +19,11 @@ names the exact place (`messages[2].tool_call_id`) and what to send instead. `co
 What the collector honours: messages, temperature, top_p, top_k (extension),
 max_tokens / max_completion_tokens, stop, seed, tools, tool_choice, stream,
 stream_options.include_usage, logprobs / top_logprobs, response_format, user, and
-`session_id` (extension, also the `X-Session-Id` header). `n` other than 1 is refused:
-send n requests instead.
+`session_id` (extension, also the `X-Session-Id` header).
+
+n: up to `max_n` (16) choices sampled from the one prompt (a group: completion.py); with
+`seed`, choice i samples with seed + i, so the choices differ and each is reproducible.
+Streaming n > 1 is refused (a 400 naming `n`): send `stream: false`, or n requests.
 
 response_format: `text` is plain generation; `json_object` and `json_schema`
 (`{"name", "schema", "strict", "description"}`) become a JSON Schema
@@ -48,7 +51,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -200,6 +203,7 @@ class ChatCall:
     session_done: bool
     logprobs: bool = False  # return choices[].logprobs
     top_logprobs: int = 0  # per token, with logprobs
+    n: int = 1  # choices sampled from the prompt (> 1: a group)
 
 
 # -- schema errors in OpenAI's words --------------------------------------------------------------
@@ -456,8 +460,13 @@ def _turn_type(value: str | None, default: TurnType) -> TurnType:
 
 def build_call(req: ChatRequest, headers: Mapping[str, str], cfg: CollectorConfig) -> ChatCall:
     """Validate semantics beyond the schema and resolve defaults from the configuration."""
-    if req.n is not None and req.n != 1:
-        raise _bad(f"n={req.n} is not supported: send {req.n} requests with n=1", "n",
+    n = 1 if req.n is None else req.n
+    if n > cfg.max_n:
+        raise _bad(f"Invalid value for 'n': {n}; this server samples at most {cfg.max_n} choices "
+                   "per request.", "n")  # fmt: skip
+    if n > 1 and req.stream:
+        raise _bad(f"n={n} is not supported with stream: true; send stream: false to get the "
+                   f"{n} choices in one response, or {n} streamed requests.", "n",
                    "unsupported_value")  # fmt: skip
     _check_messages(req.messages)
     _check_tools(req)
@@ -469,7 +478,7 @@ def build_call(req: ChatRequest, headers: Mapping[str, str], cfg: CollectorConfi
     if req.stream_options is not None and not req.stream:
         raise _bad("Invalid value for 'stream_options': stream_options is only allowed when "
                    "'stream' is true.", "stream_options")  # fmt: skip
-    return make_call(
+    call = make_call(
         req.messages, req.tools, tools_enabled=_tools_enabled(req.tool_choice), headers=headers,
         cfg=cfg, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_completion_tokens or req.max_tokens, stop=_stop(req.stop), seed=req.seed,
@@ -478,6 +487,7 @@ def build_call(req: ChatRequest, headers: Mapping[str, str], cfg: CollectorConfi
         user=req.user, session_id=req.session_id, logprobs=bool(req.logprobs),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
     )  # fmt: skip
+    return call if n == 1 else replace(call, n=n)
 
 
 def make_call(

@@ -13,6 +13,27 @@
     NEXTSTATE_COLLECTOR__SPOOL_PATH=...         turns kept here while Redis is unreachable
     NEXTSTATE_COLLECTOR__RESPONSES_TTL_S=3600   /v1/responses objects (store: true) are kept
                                                 this long for previous_response_id and GET
+    NEXTSTATE_COLLECTOR__MAX_N=16               the largest `n` (choices per chat completion)
+    NEXTSTATE_COLLECTOR__GROUP_UNCHOSEN=keep    keep | judge | drop: the other n - 1 choices
+                                                once a follow-up continues one of them
+
+Groups (`n > 1`): the n choices are captured as n turns of one group. A follow-up that
+continues choice k closes k's turn with its next state, and at the same moment its
+siblings, by GROUP_UNCHOSEN:
+
+    keep   emitted now with no next state (closed_by "unchosen"): on `turns` for the
+           record, never trained (the buffer excludes them: no_next_state). The default:
+           the next state answers the choice the user continued, not the others.
+    judge  emitted now with the chosen choice's next state (closed_by "unchosen"), so the
+           judge scores every choice against the same reply: what a group advantage
+           (NEXTSTATE_BUFFER__GROUP_ADVANTAGE) compares. Sound when the reply judges the
+           task rather than the wording (a verdict, a test result), not for tool results
+           that answer the chosen choice's own calls.
+    drop   deleted, never emitted (counted).
+
+A choice identical to the chosen one (the same message after pairing's canonical form)
+is closed as chosen: the follow-up continues it as much. A group nobody follows up
+expires like any turn (ttl, no next state).
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ from shared.settings import Settings
 from shared.toolparsers import tool_parser_names
 
 TurnTypeSetting = Literal["main", "side"]
+GroupUnchosen = Literal["keep", "judge", "drop"]
 
 
 class CollectorConfig(BaseModel):
@@ -54,6 +76,7 @@ class CollectorConfig(BaseModel):
     default_top_p: float = Field(1.0, gt=0, le=1)
     default_top_k: int = -1
     default_max_tokens: int | None = Field(None, ge=1)
+    max_n: int = Field(16, ge=1, description="the largest n (choices per chat completion)")
 
     # -- capture --------------------------------------------------------------------------
     default_turn_type: TurnTypeSetting = "main"
@@ -67,6 +90,7 @@ class CollectorConfig(BaseModel):
     fallback_max_pending: int = Field(10_000, ge=0, description="pending turns kept in memory in an outage")
     max_pairing_candidates: int = Field(64, ge=1, description="assistant messages checked per request")
     responses_ttl_s: float = Field(3600.0, gt=0, description="stored Responses API objects live this long")
+    group_unchosen: GroupUnchosen = "keep"  # the other choices of a group, once one is continued
 
     @field_validator("api_keys", mode="before")
     @classmethod

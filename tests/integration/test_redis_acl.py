@@ -30,7 +30,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from services.buffer.ledger import Ledger
 from services.buffer.rules import build_sample
-from services.collector.capture import make_record
+from services.collector.capture import group_records, make_record
 from services.collector.pending_store import PendingStore
 from services.collector.response_store import ResponseStore
 from services.ctl import redis_acl
@@ -193,14 +193,23 @@ async def test_collector_stores_pending_turns_and_publishes_turns_only(acl: Acl)
     r2, _ = make_record(turn(), cache, now - 1)
     await store.put("h1", r1, now + 60, lineage, now)
     await store.put("h2", r2, now - 1, "{}", now)
-    assert await store.lookup(["h1"], "h1", ["[]"]) == ([r1], lineage, 0)  # closed = emitted
+    closed, got_lineage = await store.lookup(["h1"], "h1", ["[]"])
+    assert (closed.records, got_lineage, closed.shed) == ([r1], lineage, 0)  # closed = emitted
     assert await store.expire(time.time()) == (1, 0)
     await store.drop(["h3"])
+    # A group (n = 2): closing one member reaches its sibling's keys inside the script.
+    members = [turn().model_copy(update={"group_id": "g", "group_index": i, "group_size": 2,
+                                         "response": {"role": "assistant", "content": f"a{i}"}})
+               for i in range(2)]  # fmt: skip
+    held = group_records(members, cache, ["g0", "g1"], now + 60)
+    await store.put_many([(h, x.record, x.lineage) for h, x in held], now + 60, now)
+    closed, _ = await store.lookup(["g0"], "g0", ["[]"])
+    assert (closed.records[0] is not None, closed.unchosen) == (True, 1)
     assert await bus.publish(K.TURNS, turn()) is not None
     admin = acl.bus(redis_acl.ADMIN).redis
-    assert await admin.xlen(k.turns) == 3
-    assert await bus.publish_raw(K.TURNS, "{}", maxlen=3) is None  # over its bound: shed, counted
-    assert await admin.xlen(k.turns) == 3 and await admin.get(k.shed(k.turns)) == "1"
+    assert await admin.xlen(k.turns) == 5
+    assert await bus.publish_raw(K.TURNS, "{}", maxlen=5) is None  # over its bound: shed, counted
+    assert await admin.xlen(k.turns) == 5 and await admin.get(k.shed(k.turns)) == "1"
     responses = ResponseStore(bus.redis, k, ttl_s=60, timeout_s=5)  # /v1/responses with store
     await responses.put({"id": "resp_1"}, [{"role": "user", "content": "q"}])
     stored = await responses.get("resp_1")

@@ -43,7 +43,9 @@ def test_invalid_json_and_empty_body() -> None:
         ({"messages": USER, "temperature": 3}, "temperature"),
         ({"messages": USER, "top_p": 0}, "top_p"),
         ({"messages": USER, "max_tokens": 0}, "max_tokens"),
-        ({"messages": USER, "n": 2}, "n"),
+        ({"messages": USER, "n": 17}, "n"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "n": 2, "stream": True}, "n"),
         ({"messages": USER, "stop": [""]}, "stop"),
         ({"messages": USER, "stop": ["x"] * 17}, "stop"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
@@ -59,9 +61,17 @@ def test_schema_errors_name_the_param(body: dict[str, Any], param: str) -> None:
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_n_greater_than_one_says_what_to_do() -> None:
-    assert "send 3 requests" in error({"messages": USER, "n": 3}).message
-    assert call({"messages": USER, "n": 1}).stream is False
+def test_n_choices_up_to_the_limit_and_not_streamed() -> None:
+    assert call({"messages": USER}).n == 1 and call({"messages": USER, "n": 1}).n == 1
+    c = call({"messages": USER, "n": 3, "seed": 7})
+    assert (c.n, c.stream, c.sampling.seed) == (3, False, 7)
+    assert call({"messages": USER, "n": 4}, cfg=CollectorConfig(max_n=4)).n == 4
+    big = error({"messages": USER, "n": 17})
+    assert "at most 16 choices" in big.message and big.code == "invalid_value"
+    streamed = error({"messages": USER, "n": 2, "stream": True})
+    assert streamed.code == "unsupported_value" and "stream: false" in streamed.message
+    # A stream with n = 1 is a stream as ever.
+    assert call({"messages": USER, "n": 1, "stream": True}).stream is True
 
 
 def test_defaults_come_from_the_configuration() -> None:
