@@ -292,8 +292,8 @@ def test_bad_inputs_get_openai_shaped_errors(stack: dict[str, str], client: open
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=[user("x")], temperature=5)
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.chat.completions.create(model="tiny", messages=[user("x")], n=2)
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported with stream"):
+        client.chat.completions.create(model="tiny", messages=[user("x")], n=2, stream=True)
 
 
 def test_ops_endpoints(stack: dict[str, str], client: openai.OpenAI) -> None:

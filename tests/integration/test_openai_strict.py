@@ -86,7 +86,9 @@ BATTERY: list[tuple[str, dict[str, Any], str]] = [
     # ranges and values
     ("temperature above 2", {"messages": USER, "temperature": 2.5}, "temperature"),
     ("max_tokens zero", {"messages": USER, "max_tokens": 0}, "max_tokens"),
-    ("n above 1", {"messages": USER, "n": 2}, "n"),
+    ("n above max_n", {"messages": USER, "n": 17}, "n"),
+    ("n zero", {"messages": USER, "n": 0}, "n"),
+    ("n > 1 streamed", {"messages": USER, "n": 2, "stream": True}, "n"),
     ("top_logprobs above 20", {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("top_logprobs without logprobs", {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     ("stream_options without stream", {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
