@@ -203,6 +203,28 @@ class Keys:
         settled it: every turn of the group is judged against the same numbers."""
         return f"{self.prefix}:episode-group:{group}:stats"
 
+    # The buffer's chat groups: the n choices of one completion (n > 1), held until every
+    # member came when the advantage is taken over the group (chat_groups.py).
+    @property
+    def chat_groups(self) -> str:
+        """Sorted set group id -> when to look at it next: chat groups whose judged
+        members are held (the deadline, now once every member came, or a lease's end)."""
+        return f"{self.prefix}:chat-groups"
+
+    def chat_group(self, group: str) -> str:
+        """Hash of a chat group: `m:<choice index>` -> JSON {session, reward, not judged}
+        per member that came, `size`, `first` (when its first member came) and `stats`."""
+        return f"{self.prefix}:chat-group:{group}"
+
+    def chat_group_turns(self, group: str) -> str:
+        """Hash turn id -> held ScoredTurn JSON of a chat group's judged members."""
+        return f"{self.prefix}:chat-group:{group}:turns"
+
+    def chat_group_ready(self, group: str) -> str:
+        """Set once every member of a chat group came, or its statistics are fixed: its
+        held members are due at once."""
+        return f"{self.prefix}:chat-group:{group}:ready"
+
     # -- evaluation and promotion ---------------------------------------------------------
     def eval_enqueued(self, job_id: str) -> str:
         """Set (NX) when an evaluation job id was enqueued: enqueuing twice runs it once."""

@@ -3,7 +3,8 @@
 Lifespan start: Redis bus, (tokenizer for imports), the batcher, the consumer group
 `buffer` on `scored`, the final-turn loop of the at-least-one rule (finals.py), the
 consumer group `buffer` on `outcomes` and the sweep that joins episodes' held turns with
-their Outcome (episodes.py), and, when archiving, the bucket and the `archive` group on
+their Outcome (episodes.py), the sweep that rewards chat groups' members against each
+other under a group advantage (chat_groups.py), and, when archiving, the bucket and the `archive` group on
 `batches` — each a background task. Shutdown is the graceful order: stop reading
 `scored` and `outcomes`, claiming final turns and episode sessions; publish partial
 batches at once, so in-flight handlers finish and their entries are acknowledged (held
@@ -37,6 +38,7 @@ from redis.exceptions import RedisError
 from services.buffer import metrics as M
 from services.buffer.archive import Archiver
 from services.buffer.batcher import Batcher
+from services.buffer.chat_groups import ChatGroups
 from services.buffer.episodes import Episodes
 from services.buffer.finals import Finals
 from services.buffer.intake import Intake
@@ -125,7 +127,8 @@ def build_app(settings: BufferSettings) -> FastAPI:
                 retry_max_s=cfg.publish_retry_max_s,
             )
             episodes = Episodes(ledger, batcher, cfg)
-            intake = Intake(ledger, batcher, cfg, hold_episode=episodes.hold)
+            groups = ChatGroups(ledger, batcher, cfg)
+            intake = Intake(ledger, batcher, cfg, hold_episode=episodes.hold, take_group=groups.take)
             finals = Finals(ledger, batcher, cfg)
             name = consumer_name(cfg.consumer_name, "buffer")
             loop = ConsumerLoop(lambda: Consumer(
@@ -140,6 +143,7 @@ def build_app(settings: BufferSettings) -> FastAPI:
             outcome_task = asyncio.create_task(outcome_loop.run(), name="outcomes-consumer")
             finals_task = asyncio.create_task(finals.run(), name="finals")
             episodes_task = asyncio.create_task(episodes.run(), name="episodes")
+            groups_task = asyncio.create_task(groups.run(), name="chat-groups")
             archiving: tuple[Archiver, ConsumerLoop[TrainBatch], asyncio.Task[None], asyncio.Task[None]] | None = None
             if cfg.archive:
                 rt.bucket = AsyncBucket(settings.bucket, max_workers=2)
@@ -169,11 +173,13 @@ def build_app(settings: BufferSettings) -> FastAPI:
                 outcome_loop.stop()
                 finals.stop()
                 episodes.stop()
+                groups.stop()
                 batcher.drain()
                 grace = settings.streams.shutdown_grace_s
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(
-                        asyncio.gather(consume_task, outcome_task, finals_task, episodes_task), grace + 5)
+                        asyncio.gather(consume_task, outcome_task, finals_task, episodes_task, groups_task),
+                        grace + 5)
                 batcher.stop()
                 await batch_task
                 if archiving is not None:

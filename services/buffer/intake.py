@@ -6,7 +6,9 @@ For each ScoredTurn (see rules.py for the rules themselves):
 2. already in a published batch (its turn id is marked) or waiting in this buffer's
    open batch → a duplicate, done (the waiting case waits for that batch);
 3. an environment episode's turn (session id `env:...`) is held until its Outcome
-   (episodes.py decides it then, with its outcome reward); done;
+   (episodes.py decides it then, with its outcome reward); done; a member of a chat
+   group (n > 1) under a group advantage counts as arrived in its group and, when
+   judged, is held until its group came (chat_groups.py); done;
 4. eligible and no more than `max_staleness` versions behind `keys.trainer_version` →
    recorded as kept in its session's sample set and handed to the batcher; the handler
    returns — and the consumer acknowledges the entry — only once that sample's batch
@@ -43,11 +45,13 @@ class Intake:
     def __init__(
         self, ledger: Ledger, batcher: Batcher, cfg: BufferConfig,
         hold_episode: Callable[[ScoredTurn], Awaitable[None]] | None = None,
+        take_group: Callable[[ScoredTurn], Awaitable[bool]] | None = None,
     ) -> None:
         self.ledger = ledger
         self.batcher = batcher
         self.cfg = cfg
         self.hold_episode = hold_episode  # episodes.Episodes.hold; None: no episode join
+        self.take_group = take_group  # chat_groups.ChatGroups.take: True when it holds the turn
 
     async def handle(self, scored: ScoredTurn, delivery: Delivery) -> None:
         turn = scored.turn
@@ -67,6 +71,8 @@ class Intake:
             return
         if self.hold_episode is not None and turn.session_id.startswith(EPISODE_SESSION_PREFIX):
             await self.hold_episode(scored)
+            return
+        if self.take_group is not None and await self.take_group(scored):
             return
         behind = staleness(scored, trainer_version)
         if behind is not None:

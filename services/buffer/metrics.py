@@ -34,6 +34,15 @@ GROUPS = Counter(
     "Advantage groups settled: complete, partial (its wait ran out), too_small (< 2 outcomes)",
     ["kind"],
 )
+CHAT_GROUP_TURNS_HELD = Counter(
+    "nextstate_buffer_chat_group_turns_held_total",
+    "Judged members of chat groups (n > 1) held until their group came (group advantages)",
+)
+CHAT_GROUPS = Counter(
+    "nextstate_buffer_chat_groups_total",
+    "Chat groups settled: complete, partial (its wait ran out), too_small (< 2 judged members)",
+    ["kind"],
+)
 DUPLICATES = Counter(
     "nextstate_buffer_duplicate_turns_total", "Scored turns whose turn id was already batched"
 )

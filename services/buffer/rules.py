@@ -9,7 +9,8 @@ Inclusion (DESIGN.md "Rewards and advantages"):
   combine: either of the two.
 
 At least one sample per session: a session's *final* turn (closed by `session_done` or
-`ttl`, or without a next state, None or empty) that the rules above exclude is kept anyway, flagged
+`ttl`, or without a next state, None or empty; never an `unchosen` member of a group,
+whose session went on with the chosen one) that the rules above exclude is kept anyway, flagged
 `forced=True`, when the session has produced fewer than `min_samples_per_session`
 samples. A forced sample has `loss_mask` = 1 on every response token and the turn's own
 reward, which for a forced turn is 0 in rl mode (else it would have been included) and
@@ -56,8 +57,11 @@ class Verdict:
 
 
 def is_final(scored: ScoredTurn) -> bool:
-    """The session's last turn: closed by session end or expiry, or nothing came after it."""
+    """The session's last turn: closed by session end or expiry, or nothing came after it.
+    An unchosen member of a group never is: its session went on with its sibling."""
     turn = scored.turn
+    if turn.closed_by == "unchosen":
+        return False
     return turn.closed_by in FINAL_CLOSES or not turn.next_state or not scored.judged
 
 
@@ -125,4 +129,5 @@ def build_sample(
         temperature=turn.sampling.temperature,
         mode=mode,
         forced=forced,
+        group_id=turn.group_id,
     )

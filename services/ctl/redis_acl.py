@@ -27,6 +27,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | buffer | consume group `buffer` (as the judge's) | `P:scored`, `P:done:buffer:*` |
 | | consume group `buffer` on outcomes (as the judge's) | `P:outcomes`, `P:done:buffer:*` |
 | | held episode turns and outcomes: the ledger's commands (below), + HGET HDEL HLEN ZRANGEBYSCORE | `P:episode-sessions`, `P:episode:*:turns`, `P:episode:*:outcome`, `P:episode-group:*` |
+| | held chat group members (group advantages): as episode turns, + HKEYS | `P:chat-groups`, `P:chat-group:*` |
 | | consume groups `archive` and `trainer` (`GET /get_data`), + XAUTOCLAIM | `P:batches`, `P:done:archive:*`, `P:done:trainer:*` |
 | | publish batches (ledger script: EVALSHA XLEN XADD INCR) | `P:batches`, `P:shed:batches`, `P:batched:*` |
 | | publish imported turns (bounded XADD) | `P:turns`, `P:shed:turns` |
@@ -239,12 +240,12 @@ def grants(role: str, k: Keys) -> list[Grant]:
             Grant(PUBLISH, _rw(k.batches, k.shed(k.batches), batched)),
             _publish(k, K.TURNS),
             Grant(("evalsha", "hsetnx", "hincrby", "hexists", "hget", "hgetall", "hset", "hdel",
-                   "hlen", "sadd", "scard", "sismember", "expire", "set", "get", "del", "exists",
-                   "zadd", "zscore", "zrem", "zrange", "zrangebyscore"),
+                   "hlen", "hkeys", "sadd", "scard", "sismember", "expire", "set", "get", "del",
+                   "exists", "zadd", "zscore", "zrem", "zrange", "zrangebyscore"),
                   _rw(k.session_samples("*"), k.session_decisions("*"), k.session_settled("*"),
                       k.buffer_counts, k.force_candidates, k.force_candidate("*"), batched,
                       k.episode_sessions, k.episode_turns("*"), k.episode_outcome("*"),
-                      k.episode_group("*"))),
+                      k.episode_group("*"), k.chat_groups, k.chat_group("*"))),
             Grant(("set", "get"), _rw(k.run_owner)),
             Grant(("get",), _r(k.trainer_version)),
             _dead(k),

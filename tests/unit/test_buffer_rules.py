@@ -64,6 +64,18 @@ def test_final_turns() -> None:
     assert is_final(scored(closed_by="import", next_state=False, judged=False))
     assert not is_final(scored(closed_by="import"))
     assert not is_final(scored())
+    # An unchosen choice of a group is never its session's last turn, judged or not: the
+    # session went on with its sibling, so the at-least-one rule does not force it.
+    unchosen = classify(scored(0, judged=False, next_state=False, closed_by="unchosen"), "rl")
+    assert (unchosen.eligible, unchosen.reason, unchosen.final, unchosen.may_force) == (
+        False, "no_next_state", False, False)
+    assert not is_final(scored(closed_by="unchosen"))
+
+
+def test_a_sample_keeps_its_group() -> None:
+    s = scored()
+    member = s.model_copy(update={"turn": s.turn.model_copy(update={"group_id": "g", "group_size": 2})})
+    assert build_sample(member, "rl").group_id == "g" and build_sample(s, "rl").group_id is None
 
 
 def test_side_and_empty_turns_are_never_samples() -> None:

@@ -112,6 +112,20 @@ def test_unknown_field_rejected() -> None:
         Turn.from_json(data)
 
 
+def test_group_members_are_consistent_and_old_turns_still_read() -> None:
+    member = a_turn(group_id="chatcmpl-1", group_index=2, group_size=3, closed_by="unchosen", next_state=None)
+    assert member.grouped and Turn.from_json(member.to_json()) == member
+    with pytest.raises(ValueError, match="group_index 3 outside a group of 3"):
+        a_turn(group_id="g", group_index=3, group_size=3)
+    with pytest.raises(ValueError, match="needs a group_id"):
+        a_turn(group_size=2)
+    # A Turn written before groups existed (no group fields) reads as a turn of its own.
+    old = a_turn().model_dump(exclude={"group_id", "group_index", "group_size"})
+    again = Turn.model_validate(old)
+    assert (again.group_id, again.group_index, again.group_size, again.grouped) == (None, 0, 1, False)
+    assert a_sample(group_id="g").group_id == "g" and a_sample().group_id is None
+
+
 def test_logprobs_must_align_with_ids() -> None:
     with pytest.raises(ValueError, match="response_logprobs has 1 entries for 2"):
         a_turn(response_logprobs=[-0.1])
