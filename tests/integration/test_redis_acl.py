@@ -295,23 +295,30 @@ async def test_buffer_app_runs_as_the_buffer_user(acl: Acl) -> None:
             await envs.publish(K.OUTCOMES, Outcome(
                 id=f"episode.{i}", run="r", env="echo", task_id="t", session_id=f"env:{i}",
                 group="g", group_index=i, group_size=2, reward=reward))
+        # A chat group (n = 2): both members held until the group came, then compared.
+        for i, reward in enumerate((1, -1)):
+            st = scored_turn("C", 0, reward=reward, policy_version=3)
+            member = st.turn.model_copy(update={"group_id": "chatcmpl-c", "group_index": i, "group_size": 2})
+            await judge.publish(K.SCORED, st.model_copy(update={"turn": member}))
         await eventually(lambda: acked(admin, k.scored, K.GROUP_BUFFER), what="all scored turns handled")
         await eventually(lambda: acked(admin, k.outcomes, K.GROUP_OUTCOMES), what="the outcomes handled")
         await eventually(lambda: _eq(admin.zcard(k.force_candidates), 0), what="...then forced")
         await eventually(lambda: _eq(admin.zcard(k.episode_sessions), 0), what="episodes decided")
+        await eventually(lambda: _eq(admin.zcard(k.chat_groups), 0), what="the chat group decided")
         pulled: list[TrainBatch] = []
 
         async def pull() -> bool:  # GET /get_data: the pull trainers' `trainer` group
             resp = await client.get("/get_data", params={"n": 8})
             assert resp.status_code == 200, resp.text
             pulled.extend(TrainBatch.model_validate(b) for b in resp.json()["batches"])
-            return sum(len(b.samples) for b in pulled) >= 4
+            return sum(len(b.samples) for b in pulled) >= 6
 
         await eventually(pull, what="the batches, pulled through /get_data")
         assert sorted((s.session_id, s.forced, s.reward) for b in pulled for s in b.samples) == [
-            ("A", False, 1.0), ("F", True, 0.0), ("env:0", False, 1.0), ("env:1", False, -1.0)]
+            ("A", False, 1.0), ("C", False, -1.0), ("C", False, 1.0), ("F", True, 0.0),
+            ("env:0", False, 1.0), ("env:1", False, -1.0)]
         counts = await admin.hgetall(k.buffer_counts)
-        assert counts == {"kept": "3", "forced": "1", "zero_reward": "1"}
+        assert counts == {"kept": "5", "forced": "1", "zero_reward": "1"}
         assert json.loads(await admin.get(k.run_owner))["run"] == f"run-{acl.prefix}"
 
     # The archive's group on `batches`, as the buffer's second consumer.
