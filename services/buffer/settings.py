@@ -12,7 +12,8 @@
                                              its K outcomes); then missing = dropped, counted `outcome_missing`
     NEXTSTATE_BUFFER__OUTCOME_MODE=outcome   outcome | outcome+prm: an episode turn's reward (below)
     NEXTSTATE_BUFFER__PRM_WEIGHT=0.5         w of the judge's per-turn score in outcome+prm
-    NEXTSTATE_BUFFER__GROUP_ADVANTAGE=raw    raw | group_mean | group_norm: the outcome term (below)
+    NEXTSTATE_BUFFER__GROUP_ADVANTAGE=raw    raw | group_mean | group_norm: the outcome term (below), and
+                                             a chat group's (n > 1 choices) rewards (chat_groups.py)
     NEXTSTATE_BUFFER__GROUP_EPS=1e-6         eps of group_norm
     NEXTSTATE_BUFFER__ARCHIVE=true           gzip JSONL of every published sample in the bucket
     NEXTSTATE_BUFFER__ARCHIVE_ROLL_SAMPLES=1000   NEXTSTATE_BUFFER__ARCHIVE_ROLL_S=300
@@ -35,6 +36,13 @@ Every main turn of the episode with a next state gets it (the env worker gives e
 one: the tool results, or the verdict after a final answer); its closing request and
 side turns never train. Then the usual rules: staleness, and in rl mode a reward of exactly 0 is
 excluded (`zero_reward`); the at-least-one rule does not apply to episodes.
+
+A chat group (the n choices of one completion, `n > 1`), in rl and combine modes: `raw`
+trains each choice on its own judged reward r (A = r, at once); `group_mean` /
+`group_norm` wait (at most `outcome_wait_s`) until every choice of the group came, then
+give each judged choice r - mean, or (r - mean) / (std + eps), over the group's judged
+rewards. They need the collector's GROUP_UNCHOSEN=judge: under `keep` only the chosen
+choice is judged, and a group with fewer than 2 judged choices is dropped (`group_too_small`).
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ class BufferConfig(BaseModel):
     outcome_wait_s: float = Field(600.0, gt=0, description="longest wait for an episode's outcome or its group")
     outcome_mode: OutcomeMode = "outcome"
     prm_weight: float = Field(0.5, description="w of the judge's per-turn score in outcome+prm")
-    group_advantage: GroupAdvantage = "raw"
+    group_advantage: GroupAdvantage = "raw"  # episode groups and chat groups (n > 1)
     group_eps: float = Field(1e-6, gt=0, description="eps in group_norm's (R - mean) / (std + eps)")
     # Claims of held episode sessions are leases of force_lease_s, sweeps look at force_scan.
     outcome_sweep_s: float = Field(0.25, gt=0, description="how often held episode sessions are checked")

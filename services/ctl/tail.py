@@ -62,7 +62,8 @@ def summarize(msg: Message) -> str:
         return (f"session={msg.session_id} idx={msg.turn_index} {msg.turn_type} "
                 f"prompt={len(msg.prompt_ids)}t response={len(msg.response_ids)}t"
                 f"{f' tool_calls={calls}' if calls else ''} wv={msg.weight_version} "
-                f"next={_roles(msg.next_state)} closed_by={msg.closed_by}")
+                f"next={_roles(msg.next_state)} closed_by={msg.closed_by}"
+                f"{f' group={msg.group_id}[{msg.group_index}/{msg.group_size}]' if msg.grouped else ''}")
     if isinstance(msg, ScoredTurn):
         votes = ",".join("?" if v.score is None else f"{v.score:+g}" for v in msg.votes)
         return (f"turn={msg.turn.id} session={msg.turn.session_id} reward={msg.reward:+g} "

@@ -49,6 +49,7 @@ async def bus(settings: Settings) -> AsyncIterator[Bus]:
 
 async def test_tail_prints_one_line_per_message_without_text(bus: Bus, env: dict[str, str]) -> None:
     turns = [turn(i) for i in range(3)]
+    turns[1] = turns[1].model_copy(update={"group_id": "chatcmpl-7", "group_index": 1, "group_size": 3})
     for t in turns:
         await bus.publish("turns", t)
     votes = [Vote(score=1), Vote(score=1), Vote(score=None)]
@@ -60,6 +61,7 @@ async def test_tail_prints_one_line_per_message_without_text(bus: Bus, env: dict
     for line, t in zip(lines, turns, strict=True):
         assert t.id in line and "turn" in line and f"session={t.session_id}" in line
         assert "next=tool×2" in line and "wv=3" in line
+        assert ("group=chatcmpl-7[1/3]" in line) == (t is turns[1])
     assert "SECRET" not in out.stdout
     scored = run(env, "tail", "scored").stdout
     assert "reward=+1" in scored and "votes=[+1,+1,?]" in scored
