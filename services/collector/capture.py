@@ -14,6 +14,10 @@ Per request (DESIGN.md "Pairing a turn with its next state"):
 3. A sweeper closes and emits pending turns past their deadline with no next state
    (closed_by ttl), with the same script, so it is safe on every replica.
 
+A group — the n choices of one completion (`n > 1`) — is stored by `finish_group` as n
+pending turns in one round trip (`group_records`): closing the one a follow-up continues
+closes its siblings in the same script, as GROUP_UNCHOSEN says (pending_store.py).
+
 No turn a client received is ever only in this process's memory: it is in Redis
 (pending, or on `turns`) or in the spool file before the response goes out, so a
 SIGKILL at any moment loses none (tests/faults).

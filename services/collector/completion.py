@@ -13,6 +13,9 @@ grammar compiler cannot use: `param` "response_format") -> 400. In a stream, a f
 after the first token is one `data: {"error": …}` event and the end of the stream (the
 official SDK raises APIError); such a half-finished turn is never captured.
 
+`n > 1` (non-streamed chat completions only): n engine requests of the same prompt ids
+at once, n choices in one response, captured as one group of n turns (`complete_group`).
+
 `logprobs: true` returns the engine's log-prob of every sampled token but a matched stop
 token (which is not part of the answer), with `top_logprobs` alternatives asked of the
 engine as `top_logprobs_num`; in a stream each chunk carries the entries of the tokens
