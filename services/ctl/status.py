@@ -52,11 +52,13 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     pipe.hgetall(keys.buffer_counts)
     pipe.zcard(keys.force_candidates)
     pipe.zcard(keys.episode_sessions)
+    pipe.zcard(keys.chat_groups)
     pipe.zcard(keys.pending_deadlines)
     pipe.hmget(keys.gate_state, GATE_FIELDS)
     pipe.xrevrange(keys.promotions, count=1)
     pipe.xrevrange(keys.evals, count=50)
-    watcher, refused, services, counts, parked, episodes, waiting, gate, promos, evals = await pipe.execute()
+    (watcher, refused, services, counts, parked, episodes, groups, waiting, gate, promos,
+     evals) = await pipe.execute()
     return {
         "prefix": keys.prefix,
         "streams": streams,
@@ -67,7 +69,8 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "refused_versions": {v: _json(r) for v, r in sorted(refused.items(), key=_version_order)},
         "services": {name: _json(r) for name, r in sorted(services.items())},
         "buffer": {"decisions": {k: int(v) for k, v in sorted(counts.items())},
-                   "final_turns_waiting": int(parked), "episodes_waiting": int(episodes)},
+                   "final_turns_waiting": int(parked), "episodes_waiting": int(episodes),
+                   "chat_groups_waiting": int(groups)},
         "turns_waiting_next_state": int(waiting),
         "gate": gate_snapshot(dict(zip(GATE_FIELDS, gate, strict=True)), promos, evals, bus.settings.run),
     }
@@ -172,7 +175,8 @@ def render_services(snap: dict[str, Any]) -> list[str]:
 def render_buffer(snap: dict[str, Any]) -> list[str]:
     b = snap.get("buffer") or {}
     decisions = b.get("decisions") or {}
-    if not decisions and not b.get("final_turns_waiting") and not b.get("episodes_waiting"):
+    waits = ("final_turns_waiting", "episodes_waiting", "chat_groups_waiting")
+    if not decisions and not any(b.get(w) for w in waits):
         return []
     parts = [f"{k} {v}" for k, v in decisions.items()]
     line = "buffer decisions: " + (", ".join(parts) if parts else "none")
@@ -180,6 +184,8 @@ def render_buffer(snap: dict[str, Any]) -> list[str]:
         line += f"   final turns waiting for their session: {b['final_turns_waiting']}"
     if b.get("episodes_waiting"):
         line += f"   episodes waiting for their outcome: {b['episodes_waiting']}"
+    if b.get("chat_groups_waiting"):
+        line += f"   chat groups waiting for their choices: {b['chat_groups_waiting']}"
     return [line]
 
 

@@ -131,6 +131,7 @@ async def test_status_shows_the_real_serving_version_refusals_decisions_and_proc
     await bus.redis.hset(k.buffer_counts, mapping={"kept": 12, "stale": 2, "no_next_state": 3})
     await bus.redis.zadd(k.force_candidates, {"t1": 1.0})
     await bus.redis.zadd(k.episode_sessions, {"env:e1": 1.0, "env:e2": 2.0})
+    await bus.redis.zadd(k.chat_groups, {"chatcmpl-1": 1.0})
     await bus.redis.zadd(k.pending_deadlines, {"h1": 1.0, "h2": 2.0})
     await bus.redis.hset(k.services, mapping={
         "trainer": json.dumps({"state": "crash-loop", "pid": 42, "restarts": 7, "last_exit": 1}),
@@ -141,7 +142,7 @@ async def test_status_shows_the_real_serving_version_refusals_decisions_and_proc
     assert snap["refused_versions"]["6"] == {"by": "trainer", "reason": "checksum",
                                              "detail": "model.safetensors", "at": 1.0}
     assert snap["buffer"] == {"decisions": {"kept": 12, "no_next_state": 3, "stale": 2},
-                              "final_turns_waiting": 1, "episodes_waiting": 2}
+                              "final_turns_waiting": 1, "episodes_waiting": 2, "chat_groups_waiting": 1}
     assert snap["turns_waiting_next_state"] == 2
     assert snap["services"]["trainer"]["state"] == "crash-loop"
     text = run(env, "status", "--window", "0").stdout
@@ -149,6 +150,7 @@ async def test_status_shows_the_real_serving_version_refusals_decisions_and_proc
     assert "refused v6 by trainer: checksum" in text and "refused LATEST by trainer: latest" in text
     assert "buffer decisions: kept 12, no_next_state 3, stale 2" in text
     assert "episodes waiting for their outcome: 2" in text
+    assert "chat groups waiting for their choices: 1" in text
     assert "turns waiting for their next state: 2" in text
     assert "CRASH LOOP" in text and "restarts 7" in text
 
