@@ -10,12 +10,21 @@ test_collector_groups_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from services.collector.capture import State
+from services.collector.completion import ChatService
+from services.collector.openai_shapes import ApiError
 from services.collector.pairing import prefix_hashes, response_hash
+from services.collector.request import ChatRequest, build_call
+from shared.chat import ChatTemplate
+from shared.engine_client import SGLangClient
 from shared.schemas import Turn
 from shared.settings import Settings
 from tests.integration.test_collector_capture import CACHE, Replicas, follow_up, replicas, user
@@ -180,3 +189,73 @@ async def test_in_an_outage_the_group_closes_from_memory(settings: Settings, tmp
     finally:
         await reps.close()
         server.close()
+
+
+# -- the service: n engine requests, one failure fails them all --------------------------------------
+
+
+class Engine:
+    """An SGLang /generate stand-in (httpx.MockTransport): answers each seed with its own
+    reply, fails `fail_seed` with a 500, and holds the others until they are cancelled."""
+
+    def __init__(self, fail_seed: int | None = None) -> None:
+        self.fail_seed = fail_seed
+        self.seeds: list[int] = []
+        self.cancelled = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seed = int(body["sampling_params"]["sampling_seed"])
+        self.seeds.append(seed)
+        if self.fail_seed is not None:
+            if seed == self.fail_seed:
+                await asyncio.sleep(0.05)
+                return httpx.Response(500, json={"error": {"message": "out of memory"}})
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        ids = [40 + seed % 7, 41]
+        return httpx.Response(200, json={"text": f"answer {seed}", "output_ids": ids, "meta_info": {
+            "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, i, None] for i in ids],
+            "prompt_tokens": 3, "completion_tokens": 2, "weight_version": "4"}})
+
+
+def service(cap: Any, engine: Engine, tiny_model: Path) -> ChatService:
+    client = SGLangClient("http://engine", transport=httpx.MockTransport(engine))
+    return ChatService(cap.cfg, client, ChatTemplate.from_pretrained(tiny_model), cap, "tiny", "4")
+
+
+async def test_the_service_asks_the_engine_n_times_with_seed_plus_i(replicas: Replicas, tiny_model: Path) -> None:
+    cap = replicas.make(0)
+    engine = Engine()
+    svc = service(cap, engine, tiny_model)
+    body, headers = await svc.complete(build_call(
+        ChatRequest(messages=MSGS, n=3, seed=11, max_tokens=2), {"x-session-id": "sv"}, cap.cfg))
+    out = json.loads(body)
+    assert sorted(engine.seeds) == [11, 12, 13]
+    assert [c["message"]["content"] for c in out["choices"]] == ["answer 11", "answer 12", "answer 13"]
+    assert out["usage"] == {"prompt_tokens": len(svc.template.encode(MSGS, None)), "completion_tokens": 6,
+                            "total_tokens": len(svc.template.encode(MSGS, None)) + 6}
+    assert headers["x-policy-version"] == "4"
+    assert await cap.bus.redis.zcard(cap.bus.keys.pending_deadlines) == 3
+    await svc.engine.aclose()
+
+
+async def test_one_failed_choice_fails_the_request_and_captures_nothing(
+    replicas: Replicas, tiny_model: Path
+) -> None:
+    cap = replicas.make(0)
+    engine = Engine(fail_seed=12)
+    svc = service(cap, engine, tiny_model)
+    call = build_call(ChatRequest(messages=MSGS, n=3, seed=11, max_tokens=2), {}, cap.cfg)
+    began = time.monotonic()
+    with pytest.raises(ApiError) as info:
+        await svc.complete(call)
+    assert info.value.status == 502 and info.value.code == "engine_unavailable"
+    assert time.monotonic() - began < 5  # not waiting for the two others: they were cancelled
+    assert engine.cancelled == 2
+    assert await cap.bus.redis.zcard(cap.bus.keys.pending_deadlines) == 0
+    assert await replicas.turns() == []
+    await svc.engine.aclose()
