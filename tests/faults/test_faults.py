@@ -213,6 +213,12 @@ async def corrupt_the_newest_checkpoint_and_kill_the_trainer(f: Faults) -> None:
     # It resumed from the last good version and commits past every number ever used.
     await until(lambda: f.trained() > newest, 240, "a new version committed after the corrupt one")
     await until(lambda: (f.serving() or 0) > newest, 120, "the new version served")
+    with bucket(f.stack) as b:
+        listed = ckpt.list_versions(b, run)
+        first = min(v for v in listed if v > newest)
+        parent = ckpt.read_manifest(b, ckpt.manifest_key(run, first)).parent
+    good = max(v for v in listed if v < newest and str(v) not in got)
+    assert parent == good, f"v{first} was trained from v{parent}, not the last good v{good} (refused: {got})"
 
 
 async def account(f: Faults) -> None:

@@ -1,7 +1,8 @@
 """One base model per run, checked where it matters: the bucket, the Redis prefix, `up`.
 
 Against the real SeaweedFS and Redis of the test session; `nextstate up` itself (its own
-Redis and S3 server) for the CLI: a second `up --model B` over a run of model A refuses,
+Redis and S3 server) for the CLI: `up` prints every endpoint and the commands that find
+them, a second `up --model B` over a run of model A refuses,
 and `nextstate status` with no environment but the home finds the running stack.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,15 @@ async def test_a_prefix_holds_one_runs_turns(settings: Settings) -> None:
             await Ledger(bus, other, 60).claim_prefix()
 
 
+def until_logged(stack: UpStack, text: str, timeout: float = 30) -> str:
+    """`up`'s log once it holds `text` (its announcement is written line by line)."""
+    deadline = time.monotonic() + timeout
+    while text not in (log := stack.logs(100_000)):
+        assert time.monotonic() < deadline, f"{text!r} not in up's log:\n{log}"
+        time.sleep(0.1)
+    return log
+
+
 def test_up_refuses_another_model_and_the_cli_finds_the_running_stack(
     two_models: tuple[Path, Path], tmp_path: Path, unique: str
 ) -> None:
@@ -58,6 +69,19 @@ def test_up_refuses_another_model_and_the_cli_finds_the_running_stack(
     stack = UpStack(a, tmp_path / "home", run=f"id-{unique}", prefix=f"id-{unique}", args=["--no-train"])
     stack.start()
     try:
+        said_up = until_logged(stack, "try: nextstate")
+        # `up` said every endpoint it started (Redis too, its password hidden), where its
+        # record is, and the commands that find the stack through it.
+        rec = stack.record()
+        assert rec["redis_url"].startswith("redis://ctl:***@") and rec["redis_url"] in said_up
+        assert stack.secrets()["redis_url"] not in said_up  # the password itself never printed
+        assert rec["bucket"]["endpoint"] in said_up
+        for name, svc in rec["services"].items():
+            if svc["url"] is not None and name not in ("redis", "s3"):  # said as redis, bucket
+                assert f"{name} " in said_up and svc["url"] in said_up, (name, said_up)
+        assert f"stack record: {stack.record_path}" in said_up
+        assert f"OpenAI endpoint: {stack.collector}" in said_up
+        assert all(cmd in said_up for cmd in ("nextstate demo", "nextstate status", "nextstate tail"))
         # No NEXTSTATE_* but the home: the CLI reads the stack `up` recorded there.
         clean = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
         clean["NEXTSTATE_HOME"] = str(stack.home)
