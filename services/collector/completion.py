@@ -246,6 +246,7 @@ class ChatService:
             finish_reason=finish,
             completion_id=cid,
             closed_by="session_done" if call.session_done else "next_request",
+            user=call.user,
             requested_at=prep.requested_at,
             responded_at=time.time(),
         )

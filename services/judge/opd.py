@@ -53,6 +53,7 @@ class OPDResult:
     teacher_logprobs: list[float] | None = None
     teacher_topk_ids: list[list[int]] | None = None  # NEXTSTATE_JUDGE__TOPK > 0
     teacher_topk_logprobs: list[list[float]] | None = None
+    experience_ids: list[str] | None = None  # the experience teacher's records (experience.py)
 
 
 def best_hint(votes: Sequence[Vote], min_chars: int, max_chars: int) -> str | None:
@@ -80,20 +81,73 @@ def with_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str, A
     return None
 
 
-class Teacher:
-    """Hint votes + teacher log-probs for one turn. `template` is a shared.chat.ChatTemplate."""
+@dataclass
+class TeacherScore:
+    """The teacher's view of a turn's own response under a teacher prompt."""
 
-    def __init__(self, backend: JudgeBackend, engine: EngineClient, template: Any, cfg: JudgeConfig) -> None:
-        self.backend = backend
+    prompt_ids: list[int]
+    logprobs: list[float]
+    topk_ids: list[list[int]] | None = None  # NEXTSTATE_JUDGE__TOPK > 0
+    topk_logprobs: list[list[float]] | None = None
+
+
+class Scorer:
+    """Teacher log-probs of a turn's response ids under other messages: the messages (and
+    tools) rendered with the policy's chat template, then one token-in scoring call to the
+    policy engine (with the teacher's top-K when `topk`). `template` is a shared.chat.ChatTemplate."""
+
+    def __init__(self, engine: EngineClient, template: Any, cfg: JudgeConfig) -> None:
         self.engine = engine
         self.template = template
         self.cfg = cfg
-        self.prompt = prompt_for(cfg.hint_prompt_version, HINT_PROMPTS)
         # One thread: the tokenizer is used from one thread at a time, off the event loop.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-encode")
 
     def close(self) -> None:
         self._encoder.shutdown(wait=False, cancel_futures=True)
+
+    async def score(self, turn: Turn, messages: list[dict[str, Any]]) -> TeacherScore | None:
+        """None when the engine refuses the request (4xx: e.g. over its context length, or
+        an engine that cannot score at this temperature): retrying cannot help. An engine
+        that is down or times out raises (the turn is retried)."""
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        prompt_ids: list[int] = await loop.run_in_executor(
+            self._encoder, self.template.encode, messages, turn.tools
+        )
+        ids, start, temperature = prompt_ids + list(turn.response_ids), len(prompt_ids), self.temperature(turn)
+        topk_ids: list[list[int]] | None = None
+        topk_logprobs: list[list[float]] | None = None
+        try:
+            if self.cfg.topk:
+                logprobs, rows = await self.engine.score_topk(ids, start, self.cfg.topk, temperature=temperature)
+                topk_ids = [[tid for tid, _ in row] for row in rows]
+                topk_logprobs = [[min(lp, 0.0) for _, lp in row] for row in rows]
+            else:
+                logprobs = await self.engine.score(ids, start, temperature=temperature)
+        except (EngineRejected, EngineNotSupported) as exc:
+            metrics.HINTS.labels("teacher_rejected").inc()
+            log.warning("teacher scoring rejected; no teacher log-probs for this turn",
+                        extra={"turn_id": turn.id, "error": str(exc)})  # fmt: skip
+            return None
+        metrics.TEACHER_SECONDS.observe(time.perf_counter() - started)
+        return TeacherScore(prompt_ids, logprobs, topk_ids, topk_logprobs)
+
+    def temperature(self, turn: Turn) -> float:
+        if self.cfg.teacher_temperature is not None:
+            return self.cfg.teacher_temperature
+        t = turn.sampling.temperature
+        return t if t > 0 else 1.0
+
+
+class Teacher:
+    """Hint votes + teacher log-probs for one turn."""
+
+    def __init__(self, backend: JudgeBackend, scorer: Scorer, cfg: JudgeConfig) -> None:
+        self.backend = backend
+        self.scorer = scorer
+        self.cfg = cfg
+        self.prompt = prompt_for(cfg.hint_prompt_version, HINT_PROMPTS)
 
     @property
     def prompt_version(self) -> str:
@@ -111,36 +165,10 @@ class Teacher:
             metrics.HINTS.labels("no_user" if teacher_messages is None else "no_response_ids").inc()
             return OPDResult(votes=votes, hint=hint)
         metrics.HINTS.labels("accepted").inc()
-        started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        prompt_ids: list[int] = await loop.run_in_executor(
-            self._encoder, self.template.encode, teacher_messages, turn.tools
-        )
-        ids, start, temperature = prompt_ids + list(turn.response_ids), len(prompt_ids), self.temperature(turn)
-        topk_ids: list[list[int]] | None = None
-        topk_logprobs: list[list[float]] | None = None
-        try:
-            if self.cfg.topk:
-                logprobs, rows = await self.engine.score_topk(ids, start, self.cfg.topk, temperature=temperature)
-                topk_ids = [[tid for tid, _ in row] for row in rows]
-                topk_logprobs = [[min(lp, 0.0) for _, lp in row] for row in rows]
-            else:
-                logprobs = await self.engine.score(ids, start, temperature=temperature)
-        except (EngineRejected, EngineNotSupported) as exc:
-            # 4xx (e.g. the teacher prompt exceeds the context), or an engine that cannot score
-            # at this temperature (vLLM re-scores at temperature 1 only): retrying cannot help.
-            metrics.HINTS.labels("teacher_rejected").inc()
-            log.warning("teacher scoring rejected; no teacher log-probs for this turn",
-                        extra={"turn_id": turn.id, "error": str(exc)})  # fmt: skip
+        score = await self.scorer.score(turn, teacher_messages)
+        if score is None:
             return OPDResult(votes=votes, hint=hint)
-        metrics.TEACHER_SECONDS.observe(time.perf_counter() - started)
         return OPDResult(
-            votes=votes, hint=hint, teacher_prompt_ids=prompt_ids, teacher_logprobs=logprobs,
-            teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_logprobs,
+            votes=votes, hint=hint, teacher_prompt_ids=score.prompt_ids, teacher_logprobs=score.logprobs,
+            teacher_topk_ids=score.topk_ids, teacher_topk_logprobs=score.topk_logprobs,
         )  # fmt: skip
-
-    def temperature(self, turn: Turn) -> float:
-        if self.cfg.teacher_temperature is not None:
-            return self.cfg.teacher_temperature
-        t = turn.sampling.temperature
-        return t if t > 0 else 1.0
