@@ -136,11 +136,15 @@ def mode_env(mode: str, topk: int, has_judge_model: bool) -> dict[str, dict[str,
     if "loss" in m:
         judge["NEXTSTATE_JUDGE__TOPK"] = str(topk)
         trainer["NEXTSTATE_TRAINER__LOSS"] = m["loss"]
+    # Without a judge model of its own, the policy would write its own hints and lessons
+    # (slowly: hundreds of tokens per call, on the engine that serves the users): the user's
+    # corrections, as the rule judge reads them, are the hints and the lessons instead.
+    source = "llm" if has_judge_model else "rule"
     if "teacher" in m:
         judge["NEXTSTATE_JUDGE__TEACHER"] = m["teacher"]
-        # Without a judge model of its own, the policy would extract its own lessons: the
-        # user's corrections are the lessons instead (the rule judge's cues).
-        judge["NEXTSTATE_JUDGE__EXPERIENCE_EXTRACTOR"] = "llm" if has_judge_model else "rule"
+        judge["NEXTSTATE_JUDGE__EXPERIENCE_EXTRACTOR"] = source
+    elif m["judge"] != "rl":
+        judge["NEXTSTATE_JUDGE__HINT_SOURCE"] = source
     return {"judge": judge, "buffer": {"NEXTSTATE_BUFFER__MODE": m["samples"]}, "trainer": trainer}
 
 

@@ -3,6 +3,8 @@
 1. m concurrent calls of the hint judge (prompt `hint-v1`): each answers `\\boxed{1}`
    with a 1–3 sentence hint between [HINT_START] and [HINT_END] when the next state
    holds a lesson for this response, else `\\boxed{-1}`. Same quorum rule as the PRM.
+   (`HINT_SOURCE=rule`, no model: the next state itself, quoted, when the rule judge
+   reads it as a correction; prompt version `hint-rule`.)
 2. The accepted hint: among votes that said 1 and carry a non-trivial hint
    (>= min_hint_chars, with words; cut at max_hint_chars), the longest. None -> no
    teacher: the teacher fields stay None.
@@ -29,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from services.judge import metrics
 from services.judge.backend import JudgeBackend
-from services.judge.judges import render_for_judge
-from services.judge.parsing import accepted_hint, extract_hint
-from services.judge.prompts import HINT_PROMPTS, judge_messages, prompt_for
+from services.judge.judges import RuleJudge, render_for_judge
+from services.judge.parsing import HINT_END, HINT_START, accepted_hint, cut_words, extract_hint
+from services.judge.prompts import HINT_PROMPTS, judge_messages, message_text, prompt_for
 from services.judge.settings import JudgeConfig
 from services.judge.votes import cast_votes
 from shared.errors import EngineNotSupported, EngineRejected
@@ -140,22 +142,49 @@ class Scorer:
         return t if t > 0 else 1.0
 
 
+RULE_HINTS = "hint-rule"
+
+
+class RuleHints:
+    """HINT_SOURCE=rule: the next state itself is the hint when the rule judge reads it as a
+    correction (no model needed: demos, tests); one vote, 1 with a hint, else -1."""
+
+    def __init__(self, cfg: JudgeConfig) -> None:
+        self.cfg = cfg
+        self.rule = RuleJudge(cfg.positive, cfg.negative)
+
+    def vote(self, turn: Turn) -> Vote:
+        text = " ".join(" ".join(message_text(m).split()) for m in turn.next_state or [])
+        score, why = self.rule.score(text)
+        if score != -1:
+            return Vote(score=-1, text=why)
+        hint = cut_words(f'Your answer will get this reply: "{text}"', self.cfg.max_hint_chars)
+        return Vote(score=1, text=f"{why}\n{HINT_START} {hint} {HINT_END}")
+
+
 class Teacher:
     """Hint votes + teacher log-probs for one turn."""
 
-    def __init__(self, backend: JudgeBackend, scorer: Scorer, cfg: JudgeConfig) -> None:
+    def __init__(self, backend: JudgeBackend | None, scorer: Scorer, cfg: JudgeConfig) -> None:
         self.backend = backend
         self.scorer = scorer
         self.cfg = cfg
+        self.rule = RuleHints(cfg) if cfg.hint_source == "rule" else None
         self.prompt = prompt_for(cfg.hint_prompt_version, HINT_PROMPTS)
+        if self.rule is None and backend is None:
+            raise ValueError("llm hints need the judge model (NEXTSTATE_JUDGE__URL)")
 
     @property
     def prompt_version(self) -> str:
-        return self.prompt.version
+        return RULE_HINTS if self.rule is not None else self.prompt.version
 
     async def run(self, turn: Turn) -> OPDResult:
-        messages = judge_messages(self.prompt, render_for_judge(turn, self.cfg))
-        votes = await cast_votes(self.backend, messages, self.cfg.votes, self.cfg.needed, "hint")
+        if self.rule is not None:
+            votes = [self.rule.vote(turn)]
+        else:
+            assert self.backend is not None
+            messages = judge_messages(self.prompt, render_for_judge(turn, self.cfg))
+            votes = await cast_votes(self.backend, messages, self.cfg.votes, self.cfg.needed, "hint")
         hint = best_hint(votes, self.cfg.min_hint_chars, self.cfg.max_hint_chars)
         if hint is None:
             metrics.HINTS.labels("none").inc()

@@ -104,7 +104,7 @@ class JudgeService:
         if not turn.next_state:
             return ScoredTurn(
                 id=turn.id, turn=turn, reward=0, judged=False, mode=self.cfg.mode,
-                judge=self.judge.name if self.judge is not None else "opd",
+                judge=self.judge.name if self.judge is not None else self._teacher_kind,
             )  # fmt: skip
         verdict: Verdict | None = None
         opd: OPDResult | None = None
@@ -142,12 +142,17 @@ class JudgeService:
                 experience_ids=opd.experience_ids,
                 judge_model=self.cfg.model,
             )
-            kind = "experience" if self.cfg.teacher == "experience" else "opd"
+            kind = self._teacher_kind
             fields["judge"] = kind if verdict is None else f"{verdict.judge}+{kind}"
         return ScoredTurn(
             **fields, votes=votes, hint_votes=hint_votes,
             prompt_version="+".join(versions) if versions else None,
         )
+
+    @property
+    def _teacher_kind(self) -> str:
+        """ScoredTurn.judge of the teacher: `opd` (hints) or `experience`."""
+        return "experience" if self.cfg.experience else "opd"
 
     async def publish(self, scored: ScoredTurn) -> None:
         """Add to `scored`; when it is full, wait (bounded) for the buffer to catch up."""
@@ -193,8 +198,7 @@ async def run(settings: JudgeSettings) -> None:
             experiential = service.experiential = Experiential(
                 cfg, bus, store, extractor, service.score, service.publish)
         else:
-            service = JudgeService(cfg, bus, judge, Teacher(backend, scorer, cfg) if scorer is not None
-                                   and backend is not None else None)  # fmt: skip
+            service = JudgeService(cfg, bus, judge, Teacher(backend, scorer, cfg) if scorer is not None else None)
         consumers: list[Consumer[Any]] = [Consumer(bus, K.TURNS, K.GROUP_JUDGE, Turn, service.handle,
                                                    name=name, concurrency=cfg.concurrency)]  # fmt: skip
         sweeps: asyncio.Task[None] | None = None

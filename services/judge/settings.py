@@ -26,6 +26,8 @@
     NEXTSTATE_JUDGE__TOKENIZER=...       the policy's tokenizer folder, for OPD teacher prompts
     NEXTSTATE_JUDGE__TOPK=0              OPD: also record the teacher's top-K ids and log-probs per
                                          response token (for the trainer's opd_topk loss; 50 is usual)
+    NEXTSTATE_JUDGE__HINT_SOURCE=llm     llm (the hint judge, HINT_PROMPT_VERSION) | rule (the next state, quoted,
+                                         when the rule judge reads it as a correction; no model needed)
     NEXTSTATE_JUDGE__TEACHER=hint        OPD/combine: what the teacher prompt adds to the context: hint (one
                                          turn's hindsight hint) | experience (lessons extracted from finished
                                          sessions: experiential learning, services/judge/experience.py)
@@ -120,6 +122,10 @@ class JudgeConfig(BaseModel):
     )
     min_hint_chars: int = Field(12, ge=1)
     max_hint_chars: int = Field(800, ge=20)
+    hint_source: Literal["llm", "rule"] = Field(
+        "llm", description="hints from the judge model (HINT_PROMPT_VERSION), or the next state quoted "
+        "when the rule judge reads it as a correction"
+    )
     teacher: Literal["hint", "experience"] = Field(
         "hint", description="OPD/combine: the teacher's extra context, a hint or extracted experience"
     )
@@ -214,7 +220,9 @@ class JudgeConfig(BaseModel):
             return True
         if self.mode == "rl":
             return False
-        return self.teacher == "hint" or self.experience_extractor == "llm"
+        if self.teacher == "hint":
+            return self.hint_source == "llm"
+        return self.experience_extractor == "llm"
 
 
 def _origin(url: str) -> tuple[str, str, int]:

@@ -261,3 +261,55 @@ if __name__ == "__main__":
         uvloop.run(_main(ns))
     except ImportError:
         asyncio.run(_main(ns))
+
+
+class StandinProcess:
+    """The stand-in as a process of its own (`python -m tests.support.judge_standin`)."""
+
+    def __init__(self, port: int, latency: float = 0.0) -> None:
+        self.port = port
+        self.latency = latency
+        self.proc: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> StandinProcess:
+        import subprocess
+        import sys
+        import time
+        from pathlib import Path
+
+        import httpx
+
+        repo = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.judge_standin", "--port", str(self.port),
+             "--latency", str(self.latency)], cwd=repo,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the stand-in judge exited ({self.proc.returncode})")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__()
+        raise TimeoutError(f"the stand-in judge on :{self.port} did not answer within 30 s")
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None

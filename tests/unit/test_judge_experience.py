@@ -18,6 +18,7 @@ from services.judge.experience import (
     user_key,
     with_experience,
 )
+from services.judge.opd import RuleHints, best_hint
 from services.judge.parsing import cut_words, extract_lessons
 from services.judge.prompts import WORD_JOINER, render_session
 from services.judge.settings import JudgeConfig
@@ -137,10 +138,25 @@ def test_up_modes_agree_across_services() -> None:
     assert oel["trainer"] == {"NEXTSTATE_TRAINER__LOSS_MODE": "opd", "NEXTSTATE_TRAINER__LOSS": "opd_topk"}
     assert mode_env("oel", 8, has_judge_model=True)["judge"]["NEXTSTATE_JUDGE__EXPERIENCE_EXTRACTOR"] == "llm"
     topk = mode_env("opd-topk", 8, has_judge_model=False)
-    assert topk["judge"] == {"NEXTSTATE_JUDGE__MODE": "opd", "NEXTSTATE_JUDGE__TOPK": "8"}
+    assert topk["judge"] == {"NEXTSTATE_JUDGE__MODE": "opd", "NEXTSTATE_JUDGE__TOPK": "8",
+                             "NEXTSTATE_JUDGE__HINT_SOURCE": "rule"}
     assert topk["trainer"]["NEXTSTATE_TRAINER__LOSS"] == "opd_topk"
+    assert mode_env("opd-topk", 8, has_judge_model=True)["judge"]["NEXTSTATE_JUDGE__HINT_SOURCE"] == "llm"
     for mode in ("rl", "opd", "combine"):
         env = mode_env(mode, 50, has_judge_model=False)
-        assert env["judge"] == {"NEXTSTATE_JUDGE__MODE": mode}
+        assert env["judge"] == {"NEXTSTATE_JUDGE__MODE": mode,
+                                **({"NEXTSTATE_JUDGE__HINT_SOURCE": "rule"} if mode != "rl" else {})}
         assert env["buffer"] == {"NEXTSTATE_BUFFER__MODE": mode}
         assert env["trainer"] == {"NEXTSTATE_TRAINER__LOSS_MODE": mode}
+
+
+def test_rule_hints_quote_a_correcting_next_state() -> None:
+    cfg = JudgeConfig(mode="opd", hint_source="rule", max_hint_chars=80, **OPD)
+    assert cfg.uses_llm and not cfg.model_copy(update={"type": "rule"}).uses_llm  # the prm judge needs it
+    rule = RuleHints(cfg)
+    correction = _turn(_session(), next_state=[{"role": "user", "content": "That's wrong: far too long."}])
+    vote = rule.vote(correction)
+    assert vote.score == 1
+    assert best_hint([vote], 12, 80) == 'Your answer will get this reply: "That\'s wrong: far too long."'
+    praised = _turn(_session(), next_state=[{"role": "user", "content": "Perfect, thanks!"}])
+    assert rule.vote(praised).score == -1 and best_hint([rule.vote(praised)], 12, 80) is None
