@@ -28,7 +28,8 @@ RETRIES = Counter(
 INFLIGHT = Gauge("nextstate_judge_turns_in_flight", "Turns being judged in this process")
 TURNS = Counter(
     "nextstate_judge_turns_total",
-    "Turns by outcome: scored, unjudged (no next state), side (skipped), failed (raised)",
+    "Turns by outcome: scored, unjudged (no next state), side (skipped), failed (raised), held (wait for "
+    "their session's experience)",
     ["outcome"],
 )
 REWARDS = Counter(

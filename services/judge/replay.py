@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,13 @@ log = logging.getLogger(__name__)
 
 SWEEP_SCAN = 100  # overdue sessions looked at per sweep
 REPLAY_TURNS = 16  # held turns of one session scored at once
+
+
+def replay_id(reason: str, key: str) -> str:
+    """`<reason>.<key>`, or `<reason>.<digest of key>` when that would pass a message id's
+    256 characters (session and turn ids may be that long)."""
+    out = f"{reason}.{key}"
+    return out if len(out) <= 256 else f"{reason}.{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 class Experiential:
@@ -102,7 +110,8 @@ class Experiential:
                                                   "lessons": len(lessons), "stored": wrote})  # fmt: skip
         else:
             metrics.EXPERIENCE.labels("reused").inc()
-        await self.request(Replay(id=f"experience.{turn.id}", session_id=turn.session_id, reason="experience"))
+        await self.request(Replay(id=replay_id("experience", turn.id), session_id=turn.session_id,
+                                  reason="experience"))  # fmt: skip
 
     async def request(self, replay: Replay) -> None:
         if await self.bus.publish(K.REPLAYS, replay) is None:
@@ -144,7 +153,8 @@ class Experiential:
         for session_id, score in await self.store.overdue(now, SWEEP_SCAN):
             if not await self.store.claim(session_id, score, now + self.cfg.experience_lease_s):
                 continue  # another judge took it
-            replay = Replay(id=f"deadline.{session_id}.{score!r}", session_id=session_id, reason="deadline")
+            replay = Replay(id=replay_id("deadline", f"{session_id}.{score!r}"), session_id=session_id,
+                            reason="deadline")  # fmt: skip
             await self.request(replay)
             requested += 1
         return requested

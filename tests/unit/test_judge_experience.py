@@ -160,3 +160,13 @@ def test_rule_hints_quote_a_correcting_next_state() -> None:
     assert best_hint([vote], 12, 80) == 'Your answer will get this reply: "That\'s wrong: far too long."'
     praised = _turn(_session(), next_state=[{"role": "user", "content": "Perfect, thanks!"}])
     assert rule.vote(praised).score == -1 and best_hint([rule.vote(praised)], 12, 80) is None
+
+
+def test_replay_ids_fit_a_message_id() -> None:
+    from services.judge.replay import replay_id
+    from shared.schemas import Replay
+
+    assert replay_id("experience", "t1") == "experience.t1"
+    long = replay_id("deadline", "s" * 256 + ".1.5")
+    assert long.startswith("deadline.") and len(long) <= 256 and long != replay_id("deadline", "s" * 256 + ".2.5")
+    Replay(id=long, session_id="s" * 256, reason="deadline")
