@@ -24,7 +24,7 @@ from shared.chat import ChatTemplate
 from shared.schemas import Replay, ScoredTurn, Turn
 from shared.settings import Settings
 from shared.streams import Bus
-from tests.integration.test_judge_opd import authed, engine_logprobs, engine_top
+from tests.integration.test_judge_opd import TOKEN, authed, engine_logprobs, engine_top
 from tests.integration.test_judge_service import Judge, scored, start_judge
 from tests.support.judge_standin import StandinProcess
 from tests.support.servers import ServiceProcess
@@ -32,7 +32,6 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "opd-test-internal-token-0123"  # test_judge_opd's `authed`
 LESSONS = ["Answer in one short sentence.", "Give temperatures in degrees Celsius."]
 
 
