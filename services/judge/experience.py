@@ -128,8 +128,12 @@ class LLMExtractor:
         return lessons
 
 
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+
+
 class RuleExtractor:
-    """The user's replies that the rule judge reads as corrections (negative cues only)."""
+    """The user's replies that the rule judge reads as corrections (negative cues only),
+    each as the sentences that hold a negative cue."""
 
     version = RULE_EXTRACTOR
     model: str | None = None
@@ -149,10 +153,14 @@ class RuleExtractor:
             if role != "user" or not answered:
                 continue
             text = " ".join(content_text(message.get("content")).split())
-            if text and self.rule.score(text)[0] == -1:
-                lesson = cut_words(f'The user corrected an answer: "{text}"', self.cfg.experience_lesson_chars)
-                if lesson not in lessons:
-                    lessons.append(lesson)
+            if not text or self.rule.score(text)[0] != -1:
+                continue
+            # The sentences that correct ("wrong", "again"...), not what the reply goes on to ask.
+            cues = [s for s in _SENTENCE.split(text) if any(p.search(s) for p in self.rule.negative)]
+            quote = " ".join(cues) or text
+            lesson = cut_words(f'The user corrected an answer: "{quote}"', self.cfg.experience_lesson_chars)
+            if lesson not in lessons:
+                lessons.append(lesson)
         return lessons[-self.cfg.experience_max_lessons :]
 
 

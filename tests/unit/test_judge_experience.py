@@ -79,8 +79,7 @@ async def test_rule_extractor_keeps_the_users_corrections() -> None:
     correction = "That's wrong for me: far too long. Answer again in one short sentence."
     turn = _turn(_session(correction, "Perfect, thanks!", correction + " Next: What do bees make?"))
     lessons = await RuleExtractor(JudgeConfig(mode="opd", teacher="experience", **OPD)).extract(turn)
-    assert lessons == [f'The user corrected an answer: "{correction}"',
-                       f'The user corrected an answer: "{correction} Next: What do bees make?"']
+    assert lessons == [f'The user corrected an answer: "{correction}"']  # once; without "Next: ..."
     # A user message before any answer is the request, never a correction; praise is no lesson.
     assert await RuleExtractor(JudgeConfig()).extract(_turn([{"role": "user", "content": "wrong again"}])) == []
     assert trajectory(turn)[-1] == {"role": "assistant", "content": "ok"}
