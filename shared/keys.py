@@ -16,8 +16,9 @@ POLICY = "policy"
 EVALS = "evals"
 OUTCOMES = "outcomes"
 PROMOTIONS = "promotions"
+REPLAYS = "replays"
 DEAD = "dead"
-STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, EVALS, PROMOTIONS, OUTCOMES, DEAD)
+STREAMS = (TURNS, SCORED, BATCHES, CHECKPOINTS, POLICY, EVALS, PROMOTIONS, OUTCOMES, REPLAYS, DEAD)
 
 # Consumer groups (stream -> group that consumes it).
 GROUP_JUDGE = "judge"
@@ -27,6 +28,7 @@ GROUP_ARCHIVE = "archive"  # the buffer's archiver, beside the trainer on `batch
 GROUP_EVALUATOR = "evaluator"  # on `checkpoints`: enqueues one evaluation job per suite
 GROUP_GATE = "gate"  # the watcher's promotion gate, on `evals`
 GROUP_OUTCOMES = "buffer"  # the buffer, on `outcomes`: joined with the episodes' scored turns
+GROUP_REPLAY = "judge"  # the judges, on `replays`: a session's held turns scored with its experience
 GROUPS = {TURNS: GROUP_JUDGE, SCORED: GROUP_BUFFER, BATCHES: GROUP_TRAINER}
 
 # The single field of a stream entry that holds the message JSON.
@@ -275,3 +277,33 @@ class Keys:
         (shared/envjobs.py `enqueue_eval_episodes`): the envs workers write, the evaluator
         reads. Never on `outcomes`: an evaluation episode is not training data."""
         return f"{self.prefix}:eval-episodes:{evaluation}"
+
+    # -- experiential learning (the judge: services/judge/experience.py) ----------------------
+    @property
+    def replays(self) -> str:
+        return self.stream(REPLAYS)
+
+    def experience_session(self, session_id: str) -> str:
+        """Hash final turn id -> Experience JSON: what was learned from a session, one record
+        per ending (a session ends once; a branch that expired is an ending too). Its
+        existence says the session has ended: a later turn is scored at once. TTL."""
+        return f"{self.prefix}:experience:session:{session_id}"
+
+    def experience_user(self, user_key: str) -> str:
+        """List of Experience JSON, newest first, of one user (`user_key`: a digest of the
+        client's `user`), trimmed to the store's bound. TTL, renewed on every push."""
+        return f"{self.prefix}:experience:user:{user_key}"
+
+    @property
+    def experience_global(self) -> str:
+        """List of Experience JSON of every user, newest first, trimmed to the store's bound."""
+        return f"{self.prefix}:experience:global"
+
+    def experience_held(self, session_id: str) -> str:
+        """Hash turn id -> Turn JSON: a session's turns waiting for its experience (replay)."""
+        return f"{self.prefix}:experience:held:{session_id}"
+
+    @property
+    def experience_waiting(self) -> str:
+        """Sorted set session id -> when to replay it anyway (its deadline, or a claim's lease)."""
+        return f"{self.prefix}:experience:waiting"

@@ -108,6 +108,9 @@ class Turn(Message):
     # its next state is None, or the chosen member's under GROUP_UNCHOSEN=judge.
     closed_by: Literal["next_request", "session_done", "ttl", "import", "unchosen"] = "next_request"
     source: Literal["collector", "import"] = "collector"
+    # The client's end-user id (the request's `user`, Anthropic's `metadata.user_id`): the
+    # judge keeps what it learns from a session under it (experiential learning).
+    user: str | None = Field(None, max_length=256)
     requested_at: float | None = None
     responded_at: float | None = None
     # A group: the n choices of one chat completion (`n > 1`), sampled from the same
@@ -169,6 +172,9 @@ class ScoredTurn(Message):
     # Top-K OPD: the teacher's top-K ids and log-probs per response token (the trainer's opd_topk)
     teacher_topk_ids: list[list[int]] | None = None
     teacher_topk_logprobs: list[list[float]] | None = None
+    # Experiential learning: the ids of the Experience records in the teacher prompt
+    # (services/judge/experience.py), in the order shown; None: no experience.
+    experience_ids: list[str] | None = None
 
     @model_validator(mode="after")
     def _teacher_aligned(self) -> ScoredTurn:
@@ -416,6 +422,17 @@ class Outcome(Message):
         return self
 
 
+class Replay(Message):
+    """A session whose held turns are due to be scored (experiential learning): its
+    experience was extracted when it ended (`experience`), or it never ended within the
+    judge's wait (`deadline`). Its `id` names the cause, so a cause published twice is
+    replayed once; replaying is idempotent anyway (services/judge/replay.py)."""
+
+    type: Literal["replay"] = "replay"
+    session_id: str
+    reason: Literal["experience", "deadline"]
+
+
 class DeadLetter(Message):
     """A message that failed `deliveries` times, with the last error. Never silently dropped."""
 
@@ -440,6 +457,7 @@ AnyMessage = Annotated[
     | EvalResult
     | Promotion
     | Outcome
+    | Replay
     | DeadLetter,
     Field(discriminator="type"),
 ]
@@ -456,6 +474,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "eval_result": EvalResult,
     "promotion": Promotion,
     "outcome": Outcome,
+    "replay": Replay,
     "dead_letter": DeadLetter,
 }
 

@@ -264,6 +264,7 @@ class ChatService:
             finish_reason=ans.finish,
             completion_id=ans.id,
             closed_by="session_done" if call.session_done else "next_request",
+            user=call.user,
             requested_at=prep.requested_at,
             responded_at=time.time(),
             group_id=gid,

@@ -24,6 +24,8 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | dedupe marks: EXISTS SET | `P:done:judge:*` |
 | | publish scored (bounded XADD) | `P:scored`, `P:shed:scored` |
 | | dead letters: XADD | `P:dead` (write only) |
+| | experiential learning: consume group `judge` on replays (as on turns), publish replays (bounded XADD) | `P:replays`, `P:shed:replays` |
+| | the experience store and held turns: EVALSHA HGET HGETALL HKEYS HDEL HEXISTS HLEN HSET EXISTS EXPIRE LPUSH LTRIM LRANGE ZADD ZSCORE ZREM ZRANGEBYSCORE | `P:experience:session:*`, `P:experience:user:*`, `P:experience:global`, `P:experience:held:*`, `P:experience:waiting` |
 | buffer | consume group `buffer` (as the judge's) | `P:scored`, `P:done:buffer:*` |
 | | consume group `buffer` on outcomes (as the judge's) | `P:outcomes`, `P:done:buffer:*` |
 | | held episode turns and outcomes: the ledger's commands (below), + HGET HDEL HLEN ZRANGEBYSCORE | `P:episode-sessions`, `P:episode:*:turns`, `P:episode:*:outcome`, `P:episode-group:*` |
@@ -229,7 +231,18 @@ def grants(role: str, k: Keys) -> list[Grant]:
             Grant(("get", "set", "del"), _rw(k.stored_response("*"))),
         ]
     if role == "judge":
-        return [*_consume(k, K.TURNS, K.GROUP_JUDGE), _publish(k, K.SCORED), _dead(k)]
+        return [
+            *_consume(k, K.TURNS, K.GROUP_JUDGE), _publish(k, K.SCORED), _dead(k),
+            # Experiential learning (services/judge/experience.py, replay.py): the replays
+            # (group `judge`: its dedupe marks are granted with `turns`'), the experience store
+            # and the held turns (scripts: EVALSHA and the commands inside them).
+            Grant(CONSUME, _rw(k.replays)),
+            _publish(k, K.REPLAYS),
+            Grant(("evalsha", "hget", "hgetall", "hkeys", "hdel", "hexists", "hlen", "hset", "exists",
+                   "expire", "lpush", "ltrim", "lrange", "zadd", "zscore", "zrem", "zrangebyscore"),
+                  _rw(k.experience_session("*"), k.experience_user("*"), k.experience_global,
+                      k.experience_held("*"), k.experience_waiting)),
+        ]
     if role == "buffer":
         batched = k.sample_batched("*")
         return [

@@ -5,7 +5,8 @@ not acked), lag (not yet delivered), consumers and how long each has been idle; 
 dead-letter count. Then what the rest of the stack reports through Redis: the version
 the engine *really* serves (the watcher checks it every pass) beside the one it should
 serve and the trainer's newest, flagged when they disagree; checkpoints refused; turns
-waiting for their next state; what the buffer decided, per rule (episode turns too:
+waiting for their next state; sessions whose turns the judge holds for their experience;
+what the buffer decided, per rule (episode turns too:
 `outcome_missing`, `episode_failed`, `group_too_small`; `group_partial` counts groups),
 and the episode sessions it holds for their outcome; the promotion gate
 (what it serves, the last decision, the newest score per suite); and, under `nextstate
@@ -54,11 +55,12 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     pipe.zcard(keys.episode_sessions)
     pipe.zcard(keys.chat_groups)
     pipe.zcard(keys.pending_deadlines)
+    pipe.zcard(keys.experience_waiting)
     pipe.hmget(keys.gate_state, GATE_FIELDS)
     pipe.xrevrange(keys.promotions, count=1)
     pipe.xrevrange(keys.evals, count=50)
-    (watcher, refused, services, counts, parked, episodes, groups, waiting, gate, promos,
-     evals) = await pipe.execute()
+    (watcher, refused, services, counts, parked, episodes, groups, waiting, experience, gate,
+     promos, evals) = await pipe.execute()
     return {
         "prefix": keys.prefix,
         "streams": streams,
@@ -72,6 +74,7 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
                    "final_turns_waiting": int(parked), "episodes_waiting": int(episodes),
                    "chat_groups_waiting": int(groups)},
         "turns_waiting_next_state": int(waiting),
+        "sessions_waiting_experience": int(experience),
         "gate": gate_snapshot(dict(zip(GATE_FIELDS, gate, strict=True)), promos, evals, bus.settings.run),
     }
 
@@ -211,6 +214,8 @@ def render(snap: dict[str, Any]) -> str:
     lines = render_versions(snap)
     lines.extend(render_gate(snap))
     lines.append(f"turns waiting for their next state: {snap.get('turns_waiting_next_state', 0)}")
+    if snap.get("sessions_waiting_experience"):  # experiential learning (services/judge/replay.py)
+        lines.append(f"sessions whose turns wait for their experience: {snap['sessions_waiting_experience']}")
     for s in snap["streams"]:
         shed = f"  shed {s['shed']}" if s["shed"] else ""
         lines.append(f"{s['stream']:<12} length {s['length']:>7}{shed}")

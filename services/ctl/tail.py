@@ -24,6 +24,7 @@ from shared.schemas import (
     Message,
     PolicyLoaded,
     Promotion,
+    Replay,
     ScoredTurn,
     TrainBatch,
     Turn,
@@ -68,7 +69,9 @@ def summarize(msg: Message) -> str:
         votes = ",".join("?" if v.score is None else f"{v.score:+g}" for v in msg.votes)
         return (f"turn={msg.turn.id} session={msg.turn.session_id} reward={msg.reward:+g} "
                 f"votes=[{votes}] judge={msg.judge} mode={msg.mode}"
-                f"{' unjudged' if not msg.judged else ''}{' hint' if msg.hint else ''}")
+                f"{' unjudged' if not msg.judged else ''}{' hint' if msg.hint else ''}"
+                f"{f' experience={len(msg.experience_ids)}' if msg.experience_ids else ''}"
+                f"{' teacher' if msg.teacher_logprobs is not None else ''}")
     if isinstance(msg, TrainBatch):
         n = len(msg.samples)
         tokens = sum(len(s.tokens) for s in msg.samples)
@@ -92,6 +95,8 @@ def summarize(msg: Message) -> str:
         serving = "-" if msg.serving is None else msg.serving
         return (f"run={msg.run} version={msg.version} decision={msg.decision} serving={serving} "
                 f"reasons={'; '.join(msg.reasons)[:200]!r}")
+    if isinstance(msg, Replay):
+        return f"session={msg.session_id} reason={msg.reason}"
     if isinstance(msg, DeadLetter):
         return (f"from={msg.stream}/{msg.group} entry={msg.entry_id} deliveries={msg.deliveries} "
                 f"error={msg.error[:160]!r}")

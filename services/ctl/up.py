@@ -91,7 +91,13 @@ def register(sub: Any) -> None:
     p.add_argument("--judge", default=None,
                    help="prm | rule | rule+prm | module:callable (default: prm when "
                         "NEXTSTATE_JUDGE__URL is set, else rule)")
-    p.add_argument("--mode", choices=["rl", "opd", "combine"], default="rl")
+    p.add_argument("--mode", choices=list(MODES), default="rl",
+                   help="the learning method (README, Methods): rl (judge reward), opd (hint teacher, "
+                        "advantage teacher - behaviour), opd-topk (hint teacher, top-K distillation), "
+                        "combine (reward + hint teacher), oel (experiential learning: lessons from "
+                        "finished sessions, top-K distillation)")
+    p.add_argument("--topk", type=int, default=50,
+                   help="the teacher's top-K of opd-topk and oel (NEXTSTATE_JUDGE__TOPK)")
     p.add_argument("--lr", type=float, help="trainer learning rate (default: the trainer's)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per training batch")
     p.add_argument("--max-wait", type=float, default=20.0, help="seconds before a partial batch trains")
@@ -109,6 +115,37 @@ def register(sub: Any) -> None:
     p.add_argument("--gate", action="store_true",
                    help="serve a version only once its evaluations pass (NEXTSTATE_GATE__ENABLED)")
     p.set_defaults(func=main)
+
+
+# `--mode`: what each method sets in the judge, the buffer and the trainer (they must agree).
+# Every mode but rl needs teacher log-probs from the engine; opd-topk and oel its top-K.
+MODES: dict[str, dict[str, str]] = {
+    "rl": {"judge": "rl", "samples": "rl"},
+    "opd": {"judge": "opd", "samples": "opd"},
+    "opd-topk": {"judge": "opd", "samples": "opd", "loss": "opd_topk"},
+    "combine": {"judge": "combine", "samples": "combine"},
+    "oel": {"judge": "opd", "samples": "opd", "loss": "opd_topk", "teacher": "experience"},
+}
+
+
+def mode_env(mode: str, topk: int, has_judge_model: bool) -> dict[str, dict[str, str]]:
+    """The NEXTSTATE_* settings of `--mode` for the judge, buffer and trainer."""
+    m = MODES[mode]
+    judge = {"NEXTSTATE_JUDGE__MODE": m["judge"]}
+    trainer = {"NEXTSTATE_TRAINER__LOSS_MODE": m["samples"]}
+    if "loss" in m:
+        judge["NEXTSTATE_JUDGE__TOPK"] = str(topk)
+        trainer["NEXTSTATE_TRAINER__LOSS"] = m["loss"]
+    # Without a judge model of its own, the policy would write its own hints and lessons
+    # (slowly: hundreds of tokens per call, on the engine that serves the users): the user's
+    # corrections, as the rule judge reads them, are the hints and the lessons instead.
+    source = "llm" if has_judge_model else "rule"
+    if "teacher" in m:
+        judge["NEXTSTATE_JUDGE__TEACHER"] = m["teacher"]
+        judge["NEXTSTATE_JUDGE__EXPERIENCE_EXTRACTOR"] = source
+    elif m["judge"] != "rl":
+        judge["NEXTSTATE_JUDGE__HINT_SOURCE"] = source
+    return {"judge": judge, "buffer": {"NEXTSTATE_BUFFER__MODE": m["samples"]}, "trainer": trainer}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -134,6 +171,9 @@ def main(args: argparse.Namespace) -> int:
             choice = choice.model_copy(update={"kind": args.engine})
         args.engine = choice.kind
         args.vllm = VLLMLaunch.from_choice(choice) if choice.kind == "vllm" else None
+        if choice.kind == "vllm" and "loss" in MODES[args.mode]:
+            raise SettingsError(f"--mode {args.mode} needs the teacher's top-K from token-in scoring, which "
+                                "our engine and SGLang give and vLLM does not: use --engine cpu")
     except (RuntimeError, SettingsError) as exc:
         print(f"nextstate up: {exc}", file=sys.stderr)
         return 1
@@ -326,10 +366,11 @@ class Stack:
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
         }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port))
         judge = a.judge or ("prm" if "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
+        method = mode_env(a.mode, a.topk, "NEXTSTATE_JUDGE__URL" in os.environ)
         for i in range(a.judges):
             await self.sup.start(self.service(f"judge-{i}", "services.judge", {
                 "NEXTSTATE_JUDGE__TYPE": judge,
-                "NEXTSTATE_JUDGE__MODE": a.mode,
+                **method["judge"],
                 "NEXTSTATE_JUDGE__URL": engine,
                 "NEXTSTATE_JUDGE__ENGINE_URL": engine,
                 "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
@@ -337,7 +378,7 @@ class Stack:
                 "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
             }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i))
         await self.sup.start(self.service("buffer", "services.buffer", {
-            "NEXTSTATE_BUFFER__MODE": a.mode,
+            **method["buffer"],
             "NEXTSTATE_BUFFER__BATCH_SIZE": str(a.batch_size),
             "NEXTSTATE_BUFFER__MAX_WAIT_S": str(a.max_wait),
             "NEXTSTATE_BUFFER__TOKENIZER": m,
@@ -351,7 +392,7 @@ class Stack:
             return
         trainer_env = {  # its consumer keeps its default, stable name: trainer-<run>
             "NEXTSTATE_TRAINER__MODEL": m,
-            "NEXTSTATE_TRAINER__LOSS_MODE": a.mode,
+            **method["trainer"],
             "NEXTSTATE_TRAINER__WORK_DIR": str(self.root / "trainer"),
             **self.bucket_role("trainer"),
         }

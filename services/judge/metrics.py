@@ -28,7 +28,8 @@ RETRIES = Counter(
 INFLIGHT = Gauge("nextstate_judge_turns_in_flight", "Turns being judged in this process")
 TURNS = Counter(
     "nextstate_judge_turns_total",
-    "Turns by outcome: scored, unjudged (no next state), side (skipped), failed (raised)",
+    "Turns by outcome: scored, unjudged (no next state), side (skipped), failed (raised), held (wait for "
+    "their session's experience)",
     ["outcome"],
 )
 REWARDS = Counter(
@@ -49,4 +50,23 @@ HINTS = Counter(
 TEACHER_SECONDS = Histogram(
     "nextstate_judge_teacher_seconds", "Teacher prompt encoding + log-prob scoring per turn",
     buckets=(0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+)
+EXPERIENCE = Counter(
+    "nextstate_judge_experience_total",
+    "Session endings: extracted (lessons stored), empty (nothing to learn), reused (stored already)",
+    ["outcome"],
+)
+EXPERIENCE_TEACHER = Counter(
+    "nextstate_judge_experience_teacher_total",
+    "Experience teacher per turn: scored, none (no lessons), no_response_ids, rejected (engine 4xx)",
+    ["outcome"],
+)
+HELD = Counter(
+    "nextstate_judge_held_total",
+    "Turns on arrival in experiential learning: held (wait for their session's end), ended (scored at "
+    "once: the session's experience exists), full (scored at once: too many held)",
+    ["state"],
+)
+REPLAYED = Counter(
+    "nextstate_judge_replayed_total", "Held turns scored and published by a replay, by its reason", ["reason"]
 )

@@ -20,6 +20,10 @@ Pure functions, no I/O, so the rules that decide a reward are tested exhaustivel
   (0 when none is valid); a threshold does not apply to them.
 - `extract_hint(text)`: the text between the last `[HINT_START]` and the `[HINT_END]`
   after it, whitespace collapsed.
+- `extract_lessons(text, n, chars)`: experiential learning's lessons, one per line
+  between the last `[EXPERIENCE_START]` and the `[EXPERIENCE_END]` after it (bullets and
+  numbering dropped, trivial lines skipped, duplicates once, at most n, each cut at
+  `chars`); None when the markers are not there (unparsable), [] when nothing is between.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ ScoreScale = Literal["label", "graded", "probability"]
 
 HINT_START = "[HINT_START]"
 HINT_END = "[HINT_END]"
+EXPERIENCE_START = "[EXPERIENCE_START]"
+EXPERIENCE_END = "[EXPERIENCE_END]"
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 _WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
@@ -165,3 +171,36 @@ def accepted_hint(hint: str | None, min_chars: int, max_chars: int) -> str | Non
         cut = hint[:max_chars]
         hint = cut[: cut.rfind(" ")] if " " in cut else cut
     return hint
+
+
+_BULLET = re.compile(r"^\s*(?:[-*\u2022]+|\d{1,2}[.)])\s*")
+
+
+def cut_words(text: str, limit: int) -> str:
+    """`text` cut at `limit` characters, at a word boundary when there is one."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit + 1]  # a space right after the limit keeps the last word whole
+    return cut[: cut.rfind(" ")].rstrip() if " " in cut else cut[:limit]
+
+
+def extract_lessons(text: str, max_lessons: int, max_chars: int) -> list[str] | None:
+    """The lessons between the last EXPERIENCE_START and the EXPERIENCE_END after it."""
+    start = text.rfind(EXPERIENCE_START)
+    if start < 0:
+        return None
+    body_start = start + len(EXPERIENCE_START)
+    end = text.find(EXPERIENCE_END, body_start)
+    if end < 0:
+        return None
+    lessons: list[str] = []
+    seen: set[str] = set()
+    for line in text[body_start:end].splitlines():
+        lesson = cut_words(" ".join(_BULLET.sub("", line).split()), max_chars)
+        if len(lesson) < 8 or not re.search(r"[^\W\d_]{2,}", lesson) or lesson.lower() in seen:
+            continue
+        seen.add(lesson.lower())
+        lessons.append(lesson)
+        if len(lessons) == max_lessons:
+            break
+    return lessons

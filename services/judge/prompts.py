@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.judge.parsing import HINT_END, HINT_START
+from services.judge.parsing import EXPERIENCE_END, EXPERIENCE_START, HINT_END, HINT_START
 from shared.errors import SettingsError
 
 
@@ -108,6 +108,28 @@ HINT_PROMPTS = {
             f"between {HINT_START} and {HINT_END}, then end with \\boxed{{1}}.\n"
             "If the next state carries no such lesson (the response was fine, or the reply "
             "is unrelated), write no hint and end with \\boxed{-1}."
+        ),
+    ),
+}
+
+
+EXPERIENCE_PROMPTS = {
+    "experience-v1": Prompt(
+        version="experience-v1",
+        system=(
+            "You help an AI assistant learn from experience. You see a whole finished "
+            "conversation between a user and the assistant (with any tool or environment "
+            "results). Extract the lessons the assistant should carry into its next "
+            "conversations with this user or on similar tasks: what the user wanted, the "
+            "preferences the user showed, and what went wrong and how to avoid it."
+        ),
+        task=(
+            "Write at most five lessons, one per line, each starting with \"- \": one short "
+            "sentence addressed to the assistant, concrete, and general enough to apply to a "
+            "new conversation (a lasting preference or a mistake to avoid, not a summary of "
+            f"this conversation). Put the lines between {EXPERIENCE_START} and "
+            f"{EXPERIENCE_END}. If the conversation teaches nothing (it went well and showed "
+            f"no preference), write {EXPERIENCE_START} {EXPERIENCE_END} with nothing between."
         ),
     ),
 }
@@ -258,6 +280,31 @@ def render_turn(
         rendered.append(f"### {defang(role_label(message))}\n{defang(body)}")
     out.append(f"## Next state: {next_state_kind(next_state)}\n" + "\n\n".join(rendered))
     return "\n\n".join(out)
+
+
+def render_session(messages: Sequence[dict[str, Any]], *, per_message_chars: int, max_chars: int) -> str:
+    """A whole conversation as the experience extractor reads it: every message labelled
+    with its role (`role_label`), each cut to `per_message_chars` (head and tail), and the
+    whole to `max_chars` by dropping messages from the middle (the start sets the task,
+    the end holds the last reactions); conversation text defanged."""
+    blocks = []
+    for message in messages:
+        role = str(message.get("role", "?"))
+        label = "assistant" if role == "assistant" else "instructions" if role in ("system", "developer") \
+            else role_label(message).removesuffix(" reply")
+        body = keep_ends(message_text(message) or "(empty)", per_message_chars)
+        blocks.append(f"### {defang(label)}\n{defang(body)}")
+    if sum(len(b) + 2 for b in blocks) > max_chars and len(blocks) > 2:
+        head, used = blocks[:1], len(blocks[0]) + 2
+        tail: list[str] = []
+        for block in reversed(blocks[1:]):
+            if used + len(block) + 2 > max_chars:
+                break
+            tail.insert(0, block)
+            used += len(block) + 2
+        cut = len(blocks) - len(head) - len(tail)
+        blocks = [*head, f"[… {cut} messages cut …]", *tail] if cut else blocks
+    return "## The conversation\n" + "\n\n".join(blocks)
 
 
 def judge_messages(prompt: Prompt, rendered_turn: str) -> list[dict[str, str]]:

@@ -9,6 +9,10 @@ Per turn:
   votes go to `votes`, hint votes to `hint_votes`; in combine `prompt_version` names
   both ("prm-v1+hint-v1").
 
+With NEXTSTATE_JUDGE__TEACHER=experience (experiential learning) a turn first goes
+through replay.py: held until its session's experience exists (published later, by a
+Replay), or an ending (its session's lessons extracted and stored) — see there.
+
 The ScoredTurn's id is the turn's id, so a redelivered turn that is judged twice is
 deduplicated downstream. Any failure (quorum not met, plugin error, engine down)
 raises: the entry stays pending, is retried with backoff and dead-lettered after
@@ -23,17 +27,19 @@ import contextlib
 import logging
 import time
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Protocol
 
 from services.judge import metrics
 from services.judge.backend import JudgeBackend, make_backend
+from services.judge.experience import ExperienceStore, ExperienceTeacher, build_extractor
 from services.judge.judges import Judge, Verdict, build_judge
-from services.judge.opd import OPDResult, Teacher
+from services.judge.opd import OPDResult, Scorer, Teacher
+from services.judge.replay import Experiential
 from services.judge.settings import JudgeConfig, JudgeSettings
 from shared import keys as K
 from shared.consumer import Consumer, Delivery, consumer_name, stop_on_signals
 from shared.errors import BusError
-from shared.schemas import ScoredTurn, Turn
+from shared.schemas import Replay, ScoredTurn, Turn
 from shared.streams import Bus
 from shared.telemetry import Check, serve_ops
 
@@ -42,9 +48,18 @@ log = logging.getLogger(__name__)
 PUBLISH_CONCURRENCY = 32  # Redis connections used for publishing at once (of the pool's 100)
 
 
+class TeacherLike(Protocol):
+    """opd.Teacher (hints) or experience.ExperienceTeacher."""
+
+    @property
+    def prompt_version(self) -> str: ...
+
+    async def run(self, turn: Turn) -> OPDResult: ...
+
+
 class JudgeService:
     def __init__(
-        self, cfg: JudgeConfig, bus: Bus, judge: Judge | None, teacher: Teacher | None
+        self, cfg: JudgeConfig, bus: Bus, judge: Judge | None, teacher: TeacherLike | None
     ) -> None:
         if cfg.mode != "opd" and judge is None:
             raise ValueError(f"mode {cfg.mode} needs a reward judge")
@@ -57,6 +72,7 @@ class JudgeService:
         # redis-py's pool refuses (MaxConnectionsError) past 100 connections instead of
         # waiting: with hundreds of turns in flight, publishes queue here instead.
         self._publish_slots = asyncio.Semaphore(PUBLISH_CONCURRENCY)
+        self.experiential: Experiential | None = None  # TEACHER=experience: set by `run`
 
     async def handle(self, turn: Turn, delivery: Delivery) -> None:
         if turn.turn_type == "side":
@@ -65,6 +81,9 @@ class JudgeService:
         metrics.INFLIGHT.inc()
         started = time.perf_counter()
         try:
+            if self.experiential is not None and await self.experiential.arrive(turn):
+                metrics.TURNS.labels("held").inc()
+                return
             scored = await self.score(turn)
             await self.publish(scored)
         except Exception:
@@ -85,7 +104,7 @@ class JudgeService:
         if not turn.next_state:
             return ScoredTurn(
                 id=turn.id, turn=turn, reward=0, judged=False, mode=self.cfg.mode,
-                judge=self.judge.name if self.judge is not None else "opd",
+                judge=self.judge.name if self.judge is not None else self._teacher_kind,
             )  # fmt: skip
         verdict: Verdict | None = None
         opd: OPDResult | None = None
@@ -120,13 +139,20 @@ class JudgeService:
                 teacher_logprobs=opd.teacher_logprobs,
                 teacher_topk_ids=opd.teacher_topk_ids,
                 teacher_topk_logprobs=opd.teacher_topk_logprobs,
+                experience_ids=opd.experience_ids,
                 judge_model=self.cfg.model,
             )
-            fields["judge"] = "opd" if verdict is None else f"{verdict.judge}+opd"
+            kind = self._teacher_kind
+            fields["judge"] = kind if verdict is None else f"{verdict.judge}+{kind}"
         return ScoredTurn(
             **fields, votes=votes, hint_votes=hint_votes,
             prompt_version="+".join(versions) if versions else None,
         )
+
+    @property
+    def _teacher_kind(self) -> str:
+        """ScoredTurn.judge of the teacher: `opd` (hints) or `experience`."""
+        return "experience" if self.cfg.experience else "opd"
 
     async def publish(self, scored: ScoredTurn) -> None:
         """Add to `scored`; when it is full, wait (bounded) for the buffer to catch up."""
@@ -162,24 +188,53 @@ async def run(settings: JudgeSettings) -> None:
         if judge is not None and (aclose := getattr(judge, "aclose", None)) is not None:
             stack.push_async_callback(aclose)  # the classifier's batching worker
         token = settings.internal.secret()
-        teacher = await _teacher(cfg, backend, stack, checks, token) if cfg.mode != "rl" else None
-        service = JudgeService(cfg, bus, judge, teacher)
-        consumer = Consumer(
-            bus, K.TURNS, K.GROUP_JUDGE, Turn, service.handle,
-            name=consumer_name(cfg.consumer_name, "judge"),
-            concurrency=cfg.concurrency,
-        )  # fmt: skip
+        scorer = await _scorer(cfg, stack, checks, token) if cfg.mode != "rl" else None
+        name = consumer_name(cfg.consumer_name, "judge")
+        experiential: Experiential | None = None
+        if scorer is not None and cfg.experience:  # experiential learning: replay.py
+            store = ExperienceStore(bus, cfg)
+            extractor = build_extractor(cfg, backend)
+            service = JudgeService(cfg, bus, judge, ExperienceTeacher(scorer, store, cfg, extractor.version))
+            experiential = service.experiential = Experiential(
+                cfg, bus, store, extractor, service.score, service.publish)
+        else:
+            service = JudgeService(cfg, bus, judge, Teacher(backend, scorer, cfg) if scorer is not None else None)
+        consumers: list[Consumer[Any]] = [Consumer(bus, K.TURNS, K.GROUP_JUDGE, Turn, service.handle,
+                                                   name=name, concurrency=cfg.concurrency)]  # fmt: skip
+        sweeps: asyncio.Task[None] | None = None
+        if experiential is not None:
+            consumers.append(Consumer(bus, K.REPLAYS, K.GROUP_REPLAY, Replay, experiential.replay, name=name,
+                                      concurrency=cfg.replay_concurrency))  # fmt: skip
+            sweeps = asyncio.create_task(experiential.run_sweeps(), name="experience-sweeps")
+
+        def stop_all() -> None:
+            for c in consumers:
+                c.stop()
+            if experiential is not None:
+                experiential.stop()
+
         ops = asyncio.create_task(serve_ops(cfg.host, cfg.port, checks, settings.internal), name="ops")
-        ops.add_done_callback(lambda _: consumer.stop())  # the ops server died: stop too
-        stop_on_signals(consumer)
+        ops.add_done_callback(lambda _: stop_all())  # the ops server died: stop too
+        stop_on_signals(*consumers, *([experiential] if experiential is not None else []))
         log.info(
             "judge started",
             extra={"judge": cfg.type, "mode": cfg.mode, "backend": cfg.backend, "model": cfg.model,
                    "votes": cfg.votes, "quorum": cfg.needed, "concurrency": cfg.concurrency,
-                   "prompt_version": cfg.prompt_version, "ops_port": cfg.port},
+                   "prompt_version": cfg.prompt_version, "teacher": cfg.teacher if scorer else None,
+                   "ops_port": cfg.port},
         )  # fmt: skip
         try:
-            await consumer.run()
+            runs = [asyncio.create_task(c.run(), name=f"consume-{c.stream}") for c in consumers]
+            try:
+                # One consumer that stops (or fails) stops the other: they share the process.
+                done, _ = await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop_all()
+                await asyncio.gather(*runs, return_exceptions=True)
+                if sweeps is not None:
+                    await asyncio.gather(sweeps, return_exceptions=True)
+            for task in done:
+                task.result()
         finally:
             if not ops.done():
                 ops.cancel()
@@ -189,14 +244,14 @@ async def run(settings: JudgeSettings) -> None:
             raise RuntimeError(f"the ops server on {cfg.host}:{cfg.port} failed") from ops.exception()
 
 
-async def _teacher(
-    cfg: JudgeConfig, backend: JudgeBackend | None, stack: AsyncExitStack, checks: dict[str, Check],
-    internal_token: str | None,
-) -> Teacher:
+async def _scorer(
+    cfg: JudgeConfig, stack: AsyncExitStack, checks: dict[str, Check], internal_token: str | None,
+) -> Scorer:
+    """The teacher's scoring: the policy's chat template and the policy engine."""
     from shared.chat import ChatTemplate
     from shared.engine_client import make_engine_client
 
-    assert backend is not None and cfg.engine_url is not None and cfg.tokenizer is not None
+    assert cfg.engine_url is not None and cfg.tokenizer is not None
     template = await asyncio.to_thread(ChatTemplate.from_pretrained, cfg.tokenizer)
     engine = make_engine_client(
         cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
@@ -209,6 +264,6 @@ async def _teacher(
             raise ConnectionError(f"the policy engine at {cfg.engine_url} is not healthy")
 
     checks["engine"] = engine_ready
-    teacher = Teacher(backend, engine, template, cfg)
-    stack.callback(teacher.close)
-    return teacher
+    scorer = Scorer(engine, template, cfg)
+    stack.callback(scorer.close)
+    return scorer

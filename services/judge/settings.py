@@ -26,6 +26,18 @@
     NEXTSTATE_JUDGE__TOKENIZER=...       the policy's tokenizer folder, for OPD teacher prompts
     NEXTSTATE_JUDGE__TOPK=0              OPD: also record the teacher's top-K ids and log-probs per
                                          response token (for the trainer's opd_topk loss; 50 is usual)
+    NEXTSTATE_JUDGE__HINT_SOURCE=llm     llm (the hint judge, HINT_PROMPT_VERSION) | rule (the next state, quoted,
+                                         when the rule judge reads it as a correction; no model needed)
+    NEXTSTATE_JUDGE__TEACHER=hint        OPD/combine: what the teacher prompt adds to the context: hint (one
+                                         turn's hindsight hint) | experience (lessons extracted from finished
+                                         sessions: experiential learning, services/judge/experience.py)
+    NEXTSTATE_JUDGE__EXPERIENCE_SCOPE=session   session (only the turn's own session's lessons) | cross
+                                         (also the most relevant of the user's, else everyone's, stored ones)
+    NEXTSTATE_JUDGE__EXPERIENCE_EXTRACTOR=llm   llm (the judge model, EXPERIENCE_PROMPT_VERSION) | rule (the
+                                         user's replies the rule judge reads as corrections, verbatim)
+    NEXTSTATE_JUDGE__EXPERIENCE_STORE_MAX=100   records kept per list (global, and each user's), newest first
+    NEXTSTATE_JUDGE__EXPERIENCE_WAIT_S=2400     a turn waits this long for its session to end, then is scored
+                                         without its session's experience (> the collector's PENDING_TTL_S)
     NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   (default by SCORES: prm-v1, prm-graded-v1, prm-prob-v1)
     NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
     NEXTSTATE_JUDGE__HOST=127.0.0.1      NEXTSTATE_JUDGE__PORT=9102   (/healthz /readyz /metrics)
@@ -110,6 +122,30 @@ class JudgeConfig(BaseModel):
     )
     min_hint_chars: int = Field(12, ge=1)
     max_hint_chars: int = Field(800, ge=20)
+    hint_source: Literal["llm", "rule"] = Field(
+        "llm", description="hints from the judge model (HINT_PROMPT_VERSION), or the next state quoted "
+        "when the rule judge reads it as a correction"
+    )
+    teacher: Literal["hint", "experience"] = Field(
+        "hint", description="OPD/combine: the teacher's extra context, a hint or extracted experience"
+    )
+    # -- experiential learning (services/judge/experience.py, replay.py) -----------------
+    experience_scope: Literal["session", "cross"] = "session"
+    experience_extractor: Literal["llm", "rule"] = "llm"
+    experience_prompt_version: str = "experience-v1"
+    experience_max_lessons: int = Field(5, ge=1, le=20, description="lessons kept per session")
+    experience_lesson_chars: int = Field(300, ge=20, le=2000, description="a lesson is cut at this length")
+    experience_session_chars: int = Field(6000, ge=500, description="the session as the extractor reads it")
+    experience_store_max: int = Field(100, ge=1, le=100_000, description="records per list (global, per user)")
+    experience_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="a session's and a user's records expire")
+    experience_records: int = Field(3, ge=0, le=50, description="cross: stored records in a teacher prompt")
+    experience_scan: int = Field(50, ge=1, le=1000, description="cross: newest records ranked per list")
+    experience_prompt_chars: int = Field(2000, ge=100, description="the experience block's bound")
+    experience_wait_s: float = Field(2400.0, gt=0, description="a held turn's wait for its session's end")
+    experience_max_held: int = Field(512, ge=1, description="held turns per session; then scored at once")
+    experience_sweep_s: float = Field(1.0, gt=0, description="how often overdue sessions are looked for")
+    experience_lease_s: float = Field(300.0, gt=0, description="a deadline replay is tried again after this")
+    replay_concurrency: int = Field(8, ge=1, le=1024, description="sessions replayed at once per process")
     # -- process --------------------------------------------------------------------------
     consumer_name: str | None = Field(None, description="stable name to reclaim own work on restart")
     publish_wait_s: float = Field(30.0, ge=0, description="wait this long for room in `scored`")
@@ -159,6 +195,8 @@ class JudgeConfig(BaseModel):
             raise ValueError("NEXTSTATE_JUDGE__TOPK records the teacher's top-K: it needs MODE=opd or combine")
         if "prompt_version" not in self.model_fields_set:
             self.prompt_version = DEFAULT_PROMPTS[self.scores]
+        if self.teacher == "experience" and self.mode == "rl":
+            raise ValueError("NEXTSTATE_JUDGE__TEACHER=experience distils a teacher: it needs MODE=opd or combine")
         if self.mode in ("opd", "combine"):
             missing = [n for n in ("engine_url", "tokenizer") if getattr(self, n) is None]
             if missing:
@@ -172,8 +210,19 @@ class JudgeConfig(BaseModel):
         return self.quorum if self.quorum is not None else self.votes // 2 + 1
 
     @property
+    def experience(self) -> bool:
+        """Experiential learning: turns wait for their session's experience (replay.py)."""
+        return self.mode != "rl" and self.teacher == "experience"
+
+    @property
     def uses_llm(self) -> bool:
-        return self.type in ("prm", "rule+prm") or self.mode in ("opd", "combine")
+        if self.type in ("prm", "rule+prm"):
+            return True
+        if self.mode == "rl":
+            return False
+        if self.teacher == "hint":
+            return self.hint_source == "llm"
+        return self.experience_extractor == "llm"
 
 
 def _origin(url: str) -> tuple[str, str, int]:

@@ -312,7 +312,12 @@ def test_session_ids_from_the_body_and_user(client: openai.OpenAI, turns: Turns)
     _, headers = ask(client, [user("body session")], {"X-Session-Done": "1"},
                      extra_body={"session_id": sid})  # fmt: skip
     assert "x-session-id" not in headers
-    assert turns.wait(lambda ts: len(ts) == 1, sessions=[sid])[0].closed_by == "session_done"
+    (first,) = turns.wait(lambda ts: len(ts) == 1, sessions=[sid])
+    assert (first.closed_by, first.user) == ("session_done", None)
     who = f"user-{uuid.uuid4().hex[:6]}"
     _, headers = ask(client, [user("by user")], {"X-Session-Done": "1"}, user=who)
     assert headers["x-session-id"] == who
+    # The client's `user` is kept on the turn (the judge's per-user experience store).
+    assert turns.wait(lambda ts: len(ts) == 1, sessions=[who])[0].user == who
+    _, _ = ask(client, [user("labelled")], {"X-Session-Done": "1"}, user=who, extra_body={"session_id": sid + "2"})
+    assert turns.wait(lambda ts: len(ts) == 1, sessions=[sid + "2"])[0].user == who

@@ -276,6 +276,46 @@ async def test_judge_consumes_turns_and_publishes_scored_only(acl: Acl) -> None:
     await denied(judge.redis.set(k.done(K.GROUP_BUFFER, "m1"), 1))  # another group's marks
 
 
+async def test_judge_keeps_its_experience_store_and_replays(acl: Acl) -> None:
+    """Experiential learning as the judge user: the store's scripts (save, hold, claim,
+    finish), its reads, and the replays stream in group `judge`; nothing else of the kind."""
+    from services.judge.experience import Experience, ExperienceStore
+    from services.judge.settings import JudgeConfig
+    from shared.schemas import Replay
+
+    judge, k = acl.bus("judge"), acl.keys
+    store = ExperienceStore(judge, JudgeConfig(experience_store_max=2))
+    t = turn("s1")
+    assert await store.hold(t, time.time() - 1) == "held" and await store.held_ids("s1") == [t.id]
+    for i, session in enumerate(("s1", "s2", "s3")):
+        record = Experience(id=f"end{i}", session_id=session, user="u", lessons=[f"lesson {i} about trains"],
+                            prompt_version="experience-v1")
+        assert await store.save(record) and not await store.save(record)  # once per ending
+    assert await store.hold(turn("s1", 1), time.time()) == "ended"
+    # end0 was trimmed (the bound); s1 is the turn's own session
+    assert [r.id for r in await store.relevant("u", "trains", exclude_session="s1")] == ["end2", "end1"]
+    assert len(await judge.redis.lrange(k.experience_global, 0, -1)) == 2  # the bound
+    (session, score), = await store.overdue(time.time(), 10)
+    assert session == "s1" and await store.claim("s1", score, time.time() + 60)
+    await judge.publish(K.REPLAYS, Replay(session_id="s1", reason="deadline"))
+    got: list[str] = []
+
+    async def handle(r: Replay, d: Delivery) -> None:
+        for turn_id in await store.held("s1"):
+            await store.release(r.session_id, turn_id)
+        assert await store.finish(r.session_id)
+        got.append(r.session_id)
+
+    consumer = Consumer(judge, K.REPLAYS, K.GROUP_REPLAY, Replay, handle, name="judge-0")
+    task = asyncio.create_task(consumer.run())
+    await eventually(lambda: got == ["s1"], what="the replay handled")
+    consumer.stop()
+    await asyncio.wait_for(task, 10)
+    assert await store.overdue(time.time() + 120, 10) == []
+    await denied(judge.redis.delete(k.experience_global))  # no DEL of the store
+    await denied(judge.redis.lrange(k.batches, 0, 1))
+
+
 # -- buffer -----------------------------------------------------------------------------------------
 async def test_buffer_app_runs_as_the_buffer_user(acl: Acl) -> None:
     """The real buffer app (consumer, intake, ledger scripts, finals, batcher, /get_data)."""

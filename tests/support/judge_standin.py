@@ -13,6 +13,10 @@ turn's next state): `<<standin votes=1,-1,x; delays=0,0,5; fail=2; status=503>>`
   verdict box last), `x` (no box: unparsable). Default `1`.
 - `hint_votes` / `hints` (`|`-separated): the same for hint-judge calls (recognized by
   the [HINT_START] marker in the prompt); `hint_votes` default `-1`.
+- `lessons` (`|`-separated): what an experience-extractor call (recognized by the
+  [EXPERIENCE_START] marker) answers, one `- ` line each between the markers; default
+  none (the markers with nothing between); `lessons=x`: no markers (unparsable). The
+  extractor reads a whole session: its FIRST directive counts (put it in the first message).
 - `delays`: seconds before answering, per call (last repeats); default `--latency`.
 - `fail=N`: the first N calls with this prompt answer `status` (default 500) instead.
 
@@ -37,6 +41,7 @@ import httptools
 
 DIRECTIVE = re.compile(r"<<standin\s+([^>]*)>>")
 HINT_MARKER = "[HINT_START]"
+EXPERIENCE_MARKER = "[EXPERIENCE_START]"
 
 
 def parse_directive(text: str) -> dict[str, str]:
@@ -66,6 +71,13 @@ def vote_text(vote: str, hint: str | None = None) -> str:
     return f"At first glance \\boxed{{0}} seemed right, but the next state decides.\n\\boxed{{{vote}}}"
 
 
+def lessons_text(lessons: str | None) -> str:
+    if lessons == "x":
+        return "Nothing to see here."
+    lines = [f"- {lesson.strip()}" for lesson in (lessons or "").split("|") if lesson.strip()]
+    return "Lessons:\n[EXPERIENCE_START]\n" + "\n".join(lines) + "\n[EXPERIENCE_END]"
+
+
 @dataclass
 class Standin:
     latency: float = 0.0
@@ -76,7 +88,7 @@ class Standin:
 
     def answer(self, prompt: str) -> tuple[float, int, str]:
         """(delay, status, text) for the next call with this prompt."""
-        kind = "hint" if HINT_MARKER in prompt else "prm"
+        kind = "experience" if EXPERIENCE_MARKER in prompt else "hint" if HINT_MARKER in prompt else "prm"
         key = kind + ":" + hashlib.sha1(prompt.encode()).hexdigest()[:16]
         i = self.calls[key]
         self.calls[key] += 1
@@ -84,6 +96,8 @@ class Standin:
         delay = float(pick(d.get("delays"), i, str(self.latency)))
         if i < int(d.get("fail", "0")):
             return delay, int(d.get("status", "500")), ""
+        if kind == "experience":
+            return delay, 200, lessons_text(d.get("lessons"))
         if kind == "hint":
             vote = pick(d.get("hint_votes"), i, "-1")
             hint = pick(d.get("hints"), i, "", sep="|") if vote == "1" else ""
@@ -247,3 +261,55 @@ if __name__ == "__main__":
         uvloop.run(_main(ns))
     except ImportError:
         asyncio.run(_main(ns))
+
+
+class StandinProcess:
+    """The stand-in as a process of its own (`python -m tests.support.judge_standin`)."""
+
+    def __init__(self, port: int, latency: float = 0.0) -> None:
+        self.port = port
+        self.latency = latency
+        self.proc: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> StandinProcess:
+        import subprocess
+        import sys
+        import time
+        from pathlib import Path
+
+        import httpx
+
+        repo = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.judge_standin", "--port", str(self.port),
+             "--latency", str(self.latency)], cwd=repo,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the stand-in judge exited ({self.proc.returncode})")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__()
+        raise TimeoutError(f"the stand-in judge on :{self.port} did not answer within 30 s")
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None

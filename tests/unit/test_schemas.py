@@ -17,6 +17,7 @@ from shared.schemas import (
     Outcome,
     PolicyLoaded,
     Promotion,
+    Replay,
     ScoredTurn,
     TaskResult,
     TrainBatch,
@@ -54,8 +55,8 @@ def a_sample(**kw: object) -> TrainSample:
 
 
 EXAMPLES = [
-    a_turn(),
-    ScoredTurn(turn=a_turn(), reward=1, votes=[Vote(score=1, text=r"\boxed{1}")]),
+    a_turn(user="alice"),
+    ScoredTurn(turn=a_turn(), reward=1, votes=[Vote(score=1, text=r"\boxed{1}")], experience_ids=["t9"]),
     a_sample(),
     TrainBatch(samples=[a_sample(), a_sample(reward=-1.0)]),
     CheckpointManifest(run="r", version=3, files=[CheckpointFile(path="model.safetensors", size=10, sha256="0" * 64)]),
@@ -68,6 +69,7 @@ EXAMPLES = [
             session_id=episode_session_id(episode_job_id("r", "toolcall", "t7", "g1", 2), 1, "x9"),
             group="g1", group_index=2, group_size=4, reward=1.0, passed=True, details={"answer": "42"},
             policy_versions=[3, 4], steps=3, wall_s=2.5),
+    Replay(id="experience.t9", session_id="s1", reason="experience"),
     DeadLetter(stream="turns", group="judge", entry_id="1-0", data="{}", error="boom", deliveries=5),
 ]
 

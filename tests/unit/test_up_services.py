@@ -100,3 +100,25 @@ def test_consumer_name_placeholders(monkeypatch: pytest.MonkeyPatch) -> None:
     assert consumer_name("w-{hostname}-{pid}", "judge") == f"w-box-{pid}"
     assert consumer_name(None, "judge") == default_consumer_name("judge") == f"judge-box-{pid}"
     assert consumer_name("", "buffer") == f"buffer-box-{pid}"
+
+
+async def test_mode_sets_the_judge_buffer_and_trainer_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--mode oel`: the experience teacher with top-K scoring in the judge (the rule extractor
+    without a judge model of its own), opd samples in the buffer, opd_topk in the trainer; a
+    NEXTSTATE_* variable of the user's own still wins."""
+    procs = await launched(tmp_path / "a", "--mode", "oel", "--topk", "8")
+    judge, buffer, trainer = procs["judge-0"].env, procs["buffer"].env, procs["trainer"].env
+    assert (judge["NEXTSTATE_JUDGE__MODE"], judge["NEXTSTATE_JUDGE__TEACHER"], judge["NEXTSTATE_JUDGE__TOPK"],
+            judge["NEXTSTATE_JUDGE__EXPERIENCE_EXTRACTOR"]) == ("opd", "experience", "8", "rule")
+    assert buffer["NEXTSTATE_BUFFER__MODE"] == "opd"
+    assert (trainer["NEXTSTATE_TRAINER__LOSS_MODE"], trainer["NEXTSTATE_TRAINER__LOSS"]) == ("opd", "opd_topk")
+    monkeypatch.setenv("NEXTSTATE_JUDGE__URL", "http://judge.example:8000")
+    monkeypatch.setenv("NEXTSTATE_JUDGE__TOPK", "20")
+    mine = (await launched(tmp_path / "b", "--mode", "oel"))["judge-0"].env
+    assert "NEXTSTATE_JUDGE__TOPK" not in mine  # the user's 20 comes from the environment
+    assert mine["NEXTSTATE_JUDGE__EXPERIENCE_EXTRACTOR"] == "llm"
+    topk = await launched(tmp_path / "c", "--mode", "opd-topk")
+    assert "NEXTSTATE_JUDGE__TEACHER" not in topk["judge-0"].env
+    assert topk["trainer"].env["NEXTSTATE_TRAINER__LOSS"] == "opd_topk"
+    rl = await launched(tmp_path / "d")
+    assert "NEXTSTATE_TRAINER__LOSS" not in rl["trainer"].env and "NEXTSTATE_JUDGE__TOPK" not in rl["judge-0"].env
