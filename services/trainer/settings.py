@@ -123,6 +123,8 @@ class TrainerConfig(BaseModel):
     @field_validator("loss")
     @classmethod
     def _loss(cls, v: str | None) -> str | None:
+        if v == "":  # compose passes an unset ${TRAINER_LOSS:-} as empty: LOSS_MODE's loss
+            return None
         if v is not None and v not in BUILTIN_LOSSES and not _PLUGIN.fullmatch(v):
             raise ValueError(f"one of {', '.join(BUILTIN_LOSSES)} or a plugin as module:function, got {v!r}")
         return v

@@ -99,10 +99,12 @@ def referenced_vars(doc: Any) -> dict[str, str | None]:
 
 
 def filled_example_env() -> dict[str, str]:
-    """.env.example with every empty value filled the way a user would."""
+    """.env.example with every value compose requires (`:?`, shipped empty) filled the way a
+    user would; optional empty values (e.g. TRAINER_LOSS) stay empty."""
     env = parse_env_file(ENV_EXAMPLE)
+    refs = referenced_vars(yaml.safe_load(COMPOSE.read_text()))
     for name, value in env.items():
-        if value == "":
+        if value == "" and refs.get(name) in (":?", "?"):
             env[name] = "./models/policy" if name.endswith("_DIR") else f"Filled{name.title()}0123".replace("_", "")
     return env
 
@@ -602,3 +604,36 @@ def test_the_evaluator_has_an_evaluation_engine_of_its_own() -> None:
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["device_ids"] == ["1"]
     assert "container_name" not in evaluator
     assert json.loads(env["NEXTSTATE_EVAL__SUITES"]) == ["demo", "drift"]
+
+
+# .env.example's recipe for each of `nextstate up --mode`'s modes in compose.
+MODE_RECIPES = {
+    "rl": {"NEXTSTATE_MODE": "rl"},
+    "opd": {"NEXTSTATE_MODE": "opd"},
+    "combine": {"NEXTSTATE_MODE": "combine"},
+    "opd-topk": {"NEXTSTATE_MODE": "opd", "JUDGE_TOPK": "50", "TRAINER_LOSS": "opd_topk"},
+    "oel": {"NEXTSTATE_MODE": "opd", "JUDGE_TOPK": "50", "TRAINER_LOSS": "opd_topk",
+            "JUDGE_TEACHER": "experience"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODE_RECIPES))
+def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The judge, buffer and trainer that compose starts with the recipe load and get what
+    `nextstate up --mode` gives them (who writes hints and lessons is left to the user)."""
+    from services.ctl.up import MODES, mode_env
+
+    assert set(MODE_RECIPES) == set(MODES)
+    text = ENV_EXAMPLE.read_text()
+    for name, value in MODE_RECIPES[mode].items():  # the recipe is the one .env.example states
+        if name != "NEXTSTATE_MODE" and mode in ("opd-topk", "oel"):
+            assert f"{name}={value if name != 'JUDGE_TOPK' else '50'}" in text, name
+    env = {**filled_example_env(), **MODE_RECIPES[mode]}
+    svcs = compose(env)["services"]
+    want = mode_env(mode, 50, has_judge_model=True)
+    for name, module, role in (("judge", "services.judge", "judge"), ("buffer", "services.buffer", "buffer"),
+                               ("trainer-cpu", "services.trainer", "trainer")):
+        got = {k: str(v) for k, v in svcs[name]["environment"].items()}
+        for key, value in want[role].items():
+            assert got.get(key) == value, (mode, name, key)
+        check_settings_env(module, got, monkeypatch)  # the service accepts the combination
