@@ -19,7 +19,8 @@ cost; at 64 the offered load (~1,280/s) is more than one collector process serve
 this machine, so that row measures its throughput.
 
     python bench/collector.py [--concurrency 1,16,64] [--seconds 6] [--latency-ms 50]
-                              [--apis 1,16] [--profile out.prof]   (cProfile of the collector, at 16)
+                              [--apis 1,16] [--profile out.prof [--profile-api responses]]
+                              (--profile: cProfile of the collector at 16, driven by chat or the API named)
 
 `--apis`: at these concurrencies the same conversations also go through the Responses API
 (history resent as items, `store` at its default, true: the response and its conversation
@@ -51,6 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.servers import REPO, RedisServer, free_port, stop_process, wait_until
 
+# --profile-api names -> load generator arms
+ARMS = {"chat": "collector", "responses": "responses", "resp/nostore": "responses-nostore",
+        "messages": "messages"}  # fmt: skip
 WORDS = ("please look at the failing test in parser module and fix the import error then run "
          "the build again and tell me what changed in the output thanks").split()  # fmt: skip
 
@@ -206,6 +210,8 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, default=50.0)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--profile", help="also run the collector under cProfile at concurrency 16")
+    p.add_argument("--profile-api", default="chat", choices=list(ARMS),
+                   help="--profile: the API whose requests drive the profiled collector")  # fmt: skip
     p.add_argument("--apis", default="1,16",
                    help="concurrencies at which the Responses and Messages APIs are measured "
                         "beside chat completions (empty: none)")  # fmt: skip
@@ -253,7 +259,7 @@ def main() -> None:
               f"arm; load generator in its own process; {os.cpu_count()} cores shared by all")  # fmt: skip
         print(f"{'conc':>4} | {'direct/s':>8} {'p50 ms':>7} {'p99 ms':>7} | {'proxy/s':>8} {'p50 ms':>7} "
               f"{'p99 ms':>7} | {'added p50':>9} {'added p99':>9} | {'turns/s':>7} {'cpu ms/req':>10}")  # fmt: skip
-        for c in [int(x) for x in a.concurrency.split(",")]:
+        for c in [int(x) for x in a.concurrency.split(",") if x]:
             direct = run_loadgen("direct", engine_url, c, a.seconds, a.turns)
             before, cpu0 = r.xlen("bench:turns"), cpu_seconds(collector.pid)
             t0 = time.perf_counter()
@@ -268,16 +274,19 @@ def main() -> None:
                   f"{emitted:>7.0f} {cpu_ms:>10.2f}", flush=True)  # fmt: skip
         if a.apis:
             print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds; added = p - "
-                  "direct p (the stand-in alone); vs chat = added - chat's added, in this run")  # fmt: skip
+                  "direct p (the stand-in alone); vs chat = added - chat's added, in this run; "
+                  "round vs chat: the median over rounds of p50 - chat's p50 in the same round "
+                  "(robust to a burst of other load that hits one arm's run)")  # fmt: skip
             print(f"{'conc':>4} {'api':>12} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
                   f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
-                  f"{'cpu ms/req':>10} {'client cpu':>10}")  # fmt: skip
+                  f"{'round vs chat':>13} | {'cpu ms/req':>10} {'client cpu':>10}")  # fmt: skip
             arms = ("direct", "collector", "responses", "responses-nostore", "messages")
             for c in [int(x) for x in a.apis.split(",")]:
                 lat: dict[str, list[float]] = {arm: [] for arm in arms}
                 cpu = dict.fromkeys(arms, 0.0)
                 served = dict.fromkeys(arms, 0)
                 client = dict.fromkeys(arms, 0.0)
+                rounds: dict[str, list[float]] = {arm: [] for arm in arms}  # per-round p50
                 for _ in range(a.rounds):
                     for arm in arms:
                         cpu0 = cpu_seconds(collector.pid)
@@ -286,16 +295,20 @@ def main() -> None:
                         cpu[arm] += cpu_seconds(collector.pid) - cpu0
                         served[arm] += res["n"] + res["warm"]
                         lat[arm] += res["lat"]
+                        rounds[arm].append(res["p50"])
                         client[arm] += res["client_cpu"]
                 q = {arm: quantiles(v) for arm, v in lat.items()}
                 for arm in arms[1:]:
                     added = [(q[arm][k] - q["direct"][k]) * 1e3 for k in (0, 1)]
                     vs = [(q[arm][k] - q["collector"][k]) * 1e3 for k in (0, 1)]
+                    paired = statistics.median(
+                        (p - chat) * 1e3 for p, chat in zip(rounds[arm], rounds["collector"], strict=True))
                     name = {"collector": "chat", "responses-nostore": "resp/nostore"}.get(arm, arm)
                     print(f"{c:>4} {name:>12} | "
                           f"{len(lat[arm]) / a.seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
                           f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | "
-                          f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {cpu[arm] * 1e3 / served[arm]:>10.2f} "
+                          f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {paired:>13.2f} | "
+                          f"{cpu[arm] * 1e3 / served[arm]:>10.2f} "
                           f"{client[arm] * 1e3 / len(lat[arm]):>10.2f}", flush=True)  # fmt: skip
         r.close()
         if a.profile:
@@ -304,7 +317,7 @@ def main() -> None:
                          env, tmp / "collector-prof.log")  # fmt: skip
             procs.append(prof)
             wait_until(lambda: ready(url + "/readyz"), 90, "profiled collector")
-            run_loadgen("collector", url, 16, a.seconds, a.turns)
+            run_loadgen(ARMS[a.profile_api], url, 16, a.seconds, a.turns)
             stop_process(prof, timeout=30)
             print(f"profile written to {a.profile}")
     finally:
