@@ -282,10 +282,11 @@ class ResponsesApi:
             stored = await self.store.get(req.previous_response_id)
             if stored is None:
                 raise ApiError(404, f"Previous response with id '{req.previous_response_id}' not "
-                                    "found. Stored responses are kept for "
-                                    f"{service.cfg.responses_ttl_s:g} s, unless deleted, created "
-                                    "with store: false, or not stored because Redis was "
-                                    "unavailable; send the whole conversation as input instead.",
+                                    "found: it may still be streaming, have expired (stored "
+                                    f"responses are kept {service.cfg.responses_ttl_s:g} s), been "
+                                    "deleted, been created with store: false, or not been stored "
+                                    "because Redis was unavailable. Send the whole conversation "
+                                    "as input instead.",
                                param="previous_response_id",
                                code="previous_response_not_found")  # fmt: skip
             prior = stored.messages
