@@ -26,8 +26,10 @@ this machine, so that row measures its throughput.
 (history resent as items, `store` at its default, true: the response and its conversation
 written to Redis with the pending turn; and `resp/nostore`: store false) and the
 Anthropic Messages API (content blocks), each against the stand-in alone and
-against chat completions in the same run, with the collector's CPU per request and the
-load generator's (`client cpu`: building and parsing each API's bodies, on the same cores).
+against chat completions in the same run, with the collector's CPU per request, the
+load generator's (`client cpu`: building and parsing each API's bodies, on the same cores)
+and Redis round trips per request (`redis rt/req`: what Redis read, which no other load
+on the machine changes).
 
 Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
 completions/s per collector process; each API's added p50/p99 within 1 ms of chat's.
@@ -182,6 +184,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def redis_reads(r: Any) -> int:
+    """Requests Redis has read from its clients so far: a pipeline is one, so this counts
+    round trips (the background sweeper's too, about one a second)."""
+    return int(r.info("stats")["total_reads_processed"])
+
+
 def ready(url: str) -> bool:
     import httpx
 
@@ -279,7 +287,7 @@ def main() -> None:
                   "(robust to a burst of other load that hits one arm's run)")  # fmt: skip
             print(f"{'conc':>4} {'api':>12} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
                   f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
-                  f"{'round vs chat':>13} | {'cpu ms/req':>10} {'client cpu':>10}")  # fmt: skip
+                  f"{'round vs chat':>13} | {'cpu ms/req':>10} {'client cpu':>10} {'redis rt/req':>12}")  # fmt: skip
             arms = ("direct", "collector", "responses", "responses-nostore", "messages")
             for c in [int(x) for x in a.apis.split(",")]:
                 lat: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -287,12 +295,14 @@ def main() -> None:
                 served = dict.fromkeys(arms, 0)
                 client = dict.fromkeys(arms, 0.0)
                 rounds: dict[str, list[float]] = {arm: [] for arm in arms}  # per-round p50
+                reads = dict.fromkeys(arms, 0)
                 for _ in range(a.rounds):
                     for arm in arms:
-                        cpu0 = cpu_seconds(collector.pid)
+                        cpu0, reads0 = cpu_seconds(collector.pid), redis_reads(r)
                         res = run_loadgen(arm, engine_url if arm == "direct" else url, c,
                                           a.seconds / a.rounds, a.turns, keep=True)  # fmt: skip
                         cpu[arm] += cpu_seconds(collector.pid) - cpu0
+                        reads[arm] += redis_reads(r) - reads0
                         served[arm] += res["n"] + res["warm"]
                         lat[arm] += res["lat"]
                         rounds[arm].append(res["p50"])
@@ -309,7 +319,8 @@ def main() -> None:
                           f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | "
                           f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {paired:>13.2f} | "
                           f"{cpu[arm] * 1e3 / served[arm]:>10.2f} "
-                          f"{client[arm] * 1e3 / len(lat[arm]):>10.2f}", flush=True)  # fmt: skip
+                          f"{client[arm] * 1e3 / len(lat[arm]):>10.2f} "
+                          f"{reads[arm] / served[arm]:>12.2f}", flush=True)  # fmt: skip
         r.close()
         if a.profile:
             stop_process(collector)
