@@ -131,7 +131,7 @@ class PendingStore:
         pipe.zadd(self.keys.pending_deadlines, {h: deadline})
         pipe.set(self.keys.turn_lineage(h), lineage, px=px)
         if extra is not None:
-            pipe.execute_command(*_set(extra))
+            pipe.set(extra[0], extra[1], px=extra[2])
         await pipe.execute()
 
     async def publish(self, turn: str, extra: KeyValue | None = None) -> bool:
