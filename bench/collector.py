@@ -281,7 +281,8 @@ def main() -> None:
                   f"{(proxy['p50'] - direct['p50']) * 1e3:>9.2f} {(proxy['p99'] - direct['p99']) * 1e3:>9.2f} | "
                   f"{emitted:>7.0f} {cpu_ms:>10.2f}", flush=True)  # fmt: skip
         if a.apis:
-            print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds; added = p - "
+            print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds (their order "
+                  "rotating); added = p - "
                   "direct p (the stand-in alone); vs chat = added - chat's added, in this run; "
                   "round vs chat: the median over rounds of p50 - chat's p50 in the same round "
                   "(robust to a burst of other load that hits one arm's run)")  # fmt: skip
@@ -296,8 +297,8 @@ def main() -> None:
                 client = dict.fromkeys(arms, 0.0)
                 rounds: dict[str, list[float]] = {arm: [] for arm in arms}  # per-round p50
                 reads = dict.fromkeys(arms, 0)
-                for _ in range(a.rounds):
-                    for arm in arms:
+                for k in range(a.rounds):
+                    for arm in arms[k % len(arms):] + arms[: k % len(arms)]:  # each arm leads in turn
                         cpu0, reads0 = cpu_seconds(collector.pid), redis_reads(r)
                         res = run_loadgen(arm, engine_url if arm == "direct" else url, c,
                                           a.seconds / a.rounds, a.turns, keep=True)  # fmt: skip
