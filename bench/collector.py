@@ -19,7 +19,7 @@ cost; at 64 the offered load (~1,280/s) is more than one collector process serve
 this machine, so that row measures its throughput.
 
     python bench/collector.py [--concurrency 1,16,64] [--seconds 6] [--latency-ms 50]
-                              [--apis 1,16] [--profile out.prof [--profile-api responses]]
+                              [--apis 1,16] [--mixed 16] [--profile out.prof [--profile-api responses]]
                               (--profile: cProfile of the collector at 16, driven by chat or the API named)
 
 `--apis`: at these concurrencies the same conversations also go through the Responses API
@@ -29,7 +29,9 @@ Anthropic Messages API (content blocks), each against the stand-in alone and
 against chat completions in the same run, with the collector's CPU per request, the
 load generator's (`client cpu`: building and parsing each API's bodies, on the same cores)
 and Redis round trips per request (`redis rt/req`: what Redis read, which no other load
-on the machine changes).
+on the machine changes). `--mixed 16`: the four APIs and the stand-in alone at the same
+time, 4 agents each, so that a burst of other load on a shared machine hits them alike
+(the sequential arms of `--apis` each meet their own).
 
 Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
 completions/s per collector process; each API's added p50/p99 within 1 ms of chat's.
@@ -149,6 +151,36 @@ async def loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: i
             "mean": statistics.fmean(lat), "lat": lat, "client_cpu": client_cpu}  # fmt: skip
 
 
+def run_mixed(urls: dict[str, str], per: int, seconds: float, turns: int) -> dict[str, dict[str, Any]]:
+    """Every arm's load generator at the same time, `per` agents each (with every latency):
+    a burst of other load on the machine hits all the arms alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(urls)) as pool:
+        futures = {arm: pool.submit(run_loadgen, arm, url, per, seconds, turns, True)
+                   for arm, url in urls.items()}  # fmt: skip
+        return {arm: f.result() for arm, f in futures.items()}
+
+
+def mixed_table(c: int, urls: dict[str, str], seconds: float, rounds: int, turns: int) -> None:
+    """`--mixed`: the APIs (and the stand-in alone) side by side, c/4 agents each."""
+    lat: dict[str, list[float]] = {arm: [] for arm in urls}
+    p50s: dict[str, list[float]] = {arm: [] for arm in urls}
+    for _ in range(rounds):
+        for arm, res in run_mixed(urls, max(1, c // 4), seconds / rounds, turns).items():
+            lat[arm] += res["lat"]
+            p50s[arm].append(res["p50"])
+    q = {arm: quantiles(v) for arm, v in lat.items()}
+    for arm in list(urls)[1:]:
+        added = [(q[arm][k] - q["direct"][k]) * 1e3 for k in (0, 1)]
+        vs = [(q[arm][k] - q["collector"][k]) * 1e3 for k in (0, 1)]
+        paired = statistics.median((p - chat) * 1e3 for p, chat in zip(p50s[arm], p50s["collector"], strict=True))
+        name = {"collector": "chat", "responses-nostore": "resp/nostore"}.get(arm, arm)
+        print(f"{c:>4} {name:>12} | {len(lat[arm]) / seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
+              f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | {vs[0]:>11.2f} "
+              f"{vs[1]:>11.2f} | {paired:>13.2f}", flush=True)  # fmt: skip
+
+
 def quantiles(lat: list[float]) -> tuple[float, float]:
     """p50 and p99."""
     lat = sorted(lat)
@@ -223,6 +255,9 @@ def main() -> None:
     p.add_argument("--apis", default="1,16",
                    help="concurrencies at which the Responses and Messages APIs are measured "
                         "beside chat completions (empty: none)")  # fmt: skip
+    p.add_argument("--mixed", default="",
+                   help="total concurrencies at which the four APIs (and the stand-in alone) also "
+                        "run at the same time, a quarter of the agents each")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3,
                    help="--apis: each arm's --seconds split over this many interleaved runs")
     p.add_argument("--loadgen", choices=["direct", "collector", "responses", "responses-nostore", "messages"],
@@ -322,6 +357,15 @@ def main() -> None:
                           f"{cpu[arm] * 1e3 / served[arm]:>10.2f} "
                           f"{client[arm] * 1e3 / len(lat[arm]):>10.2f} "
                           f"{reads[arm] / served[arm]:>12.2f}", flush=True)  # fmt: skip
+        if a.mixed:
+            print(f"\nthe APIs at the same time (and the stand-in alone), c/4 agents each, over "
+                  f"{a.rounds} rounds: one burst of other load hits every arm alike")  # fmt: skip
+            print(f"{'conc':>4} {'api':>12} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
+                  f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
+                  f"{'round vs chat':>13}")  # fmt: skip
+            urls = {"direct": engine_url, **dict.fromkeys(ARMS.values(), url)}
+            for c in [int(x) for x in a.mixed.split(",") if x]:
+                mixed_table(c, urls, a.seconds, a.rounds, a.turns)
         r.close()
         if a.profile:
             stop_process(collector)
