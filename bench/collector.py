@@ -19,14 +19,19 @@ cost; at 64 the offered load (~1,280/s) is more than one collector process serve
 this machine, so that row measures its throughput.
 
     python bench/collector.py [--concurrency 1,16,64] [--seconds 6] [--latency-ms 50]
-                              [--apis 1,16] [--profile out.prof]   (cProfile of the collector, at 16)
+                              [--apis 1,16] [--mixed 16] [--profile out.prof [--profile-api responses]]
+                              (--profile: cProfile of the collector at 16, driven by chat or the API named)
 
 `--apis`: at these concurrencies the same conversations also go through the Responses API
 (history resent as items, `store` at its default, true: the response and its conversation
 written to Redis with the pending turn; and `resp/nostore`: store false) and the
 Anthropic Messages API (content blocks), each against the stand-in alone and
-against chat completions in the same run, with the collector's CPU per request and the
-load generator's (`client cpu`: building and parsing each API's bodies, on the same cores).
+against chat completions in the same run, with the collector's CPU per request, the
+load generator's (`client cpu`: building and parsing each API's bodies, on the same cores)
+and Redis round trips per request (`redis rt/req`: what Redis read, which no other load
+on the machine changes). `--mixed 16`: the four APIs and the stand-in alone at the same
+time, 4 agents each, so that a burst of other load on a shared machine hits them alike
+(the sequential arms of `--apis` each meet their own).
 
 Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
 completions/s per collector process; each API's added p50/p99 within 1 ms of chat's.
@@ -51,6 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.servers import REPO, RedisServer, free_port, stop_process, wait_until
 
+# --profile-api names -> load generator arms
+ARMS = {"chat": "collector", "responses": "responses", "resp/nostore": "responses-nostore",
+        "messages": "messages"}  # fmt: skip
 WORDS = ("please look at the failing test in parser module and fix the import error then run "
          "the build again and tell me what changed in the output thanks").split()  # fmt: skip
 
@@ -143,6 +151,36 @@ async def loadgen(arm: str, url: str, concurrency: int, seconds: float, turns: i
             "mean": statistics.fmean(lat), "lat": lat, "client_cpu": client_cpu}  # fmt: skip
 
 
+def run_mixed(urls: dict[str, str], per: int, seconds: float, turns: int) -> dict[str, dict[str, Any]]:
+    """Every arm's load generator at the same time, `per` agents each (with every latency):
+    a burst of other load on the machine hits all the arms alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(urls)) as pool:
+        futures = {arm: pool.submit(run_loadgen, arm, url, per, seconds, turns, True)
+                   for arm, url in urls.items()}  # fmt: skip
+        return {arm: f.result() for arm, f in futures.items()}
+
+
+def mixed_table(c: int, urls: dict[str, str], seconds: float, rounds: int, turns: int) -> None:
+    """`--mixed`: the APIs (and the stand-in alone) side by side, c/4 agents each."""
+    lat: dict[str, list[float]] = {arm: [] for arm in urls}
+    p50s: dict[str, list[float]] = {arm: [] for arm in urls}
+    for _ in range(rounds):
+        for arm, res in run_mixed(urls, max(1, c // 4), seconds / rounds, turns).items():
+            lat[arm] += res["lat"]
+            p50s[arm].append(res["p50"])
+    q = {arm: quantiles(v) for arm, v in lat.items()}
+    for arm in list(urls)[1:]:
+        added = [(q[arm][k] - q["direct"][k]) * 1e3 for k in (0, 1)]
+        vs = [(q[arm][k] - q["collector"][k]) * 1e3 for k in (0, 1)]
+        paired = statistics.median((p - chat) * 1e3 for p, chat in zip(p50s[arm], p50s["collector"], strict=True))
+        name = {"collector": "chat", "responses-nostore": "resp/nostore"}.get(arm, arm)
+        print(f"{c:>4} {name:>12} | {len(lat[arm]) / seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
+              f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | {vs[0]:>11.2f} "
+              f"{vs[1]:>11.2f} | {paired:>13.2f}", flush=True)  # fmt: skip
+
+
 def quantiles(lat: list[float]) -> tuple[float, float]:
     """p50 and p99."""
     lat = sorted(lat)
@@ -178,6 +216,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def redis_reads(r: Any) -> int:
+    """Requests Redis has read from its clients so far: a pipeline is one, so this counts
+    round trips (the background sweeper's too, about one a second)."""
+    return int(r.info("stats")["total_reads_processed"])
+
+
 def ready(url: str) -> bool:
     import httpx
 
@@ -206,9 +250,14 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, default=50.0)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--profile", help="also run the collector under cProfile at concurrency 16")
+    p.add_argument("--profile-api", default="chat", choices=list(ARMS),
+                   help="--profile: the API whose requests drive the profiled collector")  # fmt: skip
     p.add_argument("--apis", default="1,16",
                    help="concurrencies at which the Responses and Messages APIs are measured "
                         "beside chat completions (empty: none)")  # fmt: skip
+    p.add_argument("--mixed", default="",
+                   help="total concurrencies at which the four APIs (and the stand-in alone) also "
+                        "run at the same time, a quarter of the agents each")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3,
                    help="--apis: each arm's --seconds split over this many interleaved runs")
     p.add_argument("--loadgen", choices=["direct", "collector", "responses", "responses-nostore", "messages"],
@@ -253,7 +302,7 @@ def main() -> None:
               f"arm; load generator in its own process; {os.cpu_count()} cores shared by all")  # fmt: skip
         print(f"{'conc':>4} | {'direct/s':>8} {'p50 ms':>7} {'p99 ms':>7} | {'proxy/s':>8} {'p50 ms':>7} "
               f"{'p99 ms':>7} | {'added p50':>9} {'added p99':>9} | {'turns/s':>7} {'cpu ms/req':>10}")  # fmt: skip
-        for c in [int(x) for x in a.concurrency.split(",")]:
+        for c in [int(x) for x in a.concurrency.split(",") if x]:
             direct = run_loadgen("direct", engine_url, c, a.seconds, a.turns)
             before, cpu0 = r.xlen("bench:turns"), cpu_seconds(collector.pid)
             t0 = time.perf_counter()
@@ -267,36 +316,56 @@ def main() -> None:
                   f"{(proxy['p50'] - direct['p50']) * 1e3:>9.2f} {(proxy['p99'] - direct['p99']) * 1e3:>9.2f} | "
                   f"{emitted:>7.0f} {cpu_ms:>10.2f}", flush=True)  # fmt: skip
         if a.apis:
-            print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds; added = p - "
-                  "direct p (the stand-in alone); vs chat = added - chat's added, in this run")  # fmt: skip
+            print(f"\nper API, same collector, arms interleaved over {a.rounds} rounds (their order "
+                  "rotating); added = p - "
+                  "direct p (the stand-in alone); vs chat = added - chat's added, in this run; "
+                  "round vs chat: the median over rounds of p50 - chat's p50 in the same round "
+                  "(robust to a burst of other load that hits one arm's run)")  # fmt: skip
             print(f"{'conc':>4} {'api':>12} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
                   f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
-                  f"{'cpu ms/req':>10} {'client cpu':>10}")  # fmt: skip
+                  f"{'round vs chat':>13} | {'cpu ms/req':>10} {'client cpu':>10} {'redis rt/req':>12}")  # fmt: skip
             arms = ("direct", "collector", "responses", "responses-nostore", "messages")
             for c in [int(x) for x in a.apis.split(",")]:
                 lat: dict[str, list[float]] = {arm: [] for arm in arms}
                 cpu = dict.fromkeys(arms, 0.0)
                 served = dict.fromkeys(arms, 0)
                 client = dict.fromkeys(arms, 0.0)
-                for _ in range(a.rounds):
-                    for arm in arms:
-                        cpu0 = cpu_seconds(collector.pid)
+                rounds: dict[str, list[float]] = {arm: [] for arm in arms}  # per-round p50
+                reads = dict.fromkeys(arms, 0)
+                for k in range(a.rounds):
+                    for arm in arms[k % len(arms):] + arms[: k % len(arms)]:  # each arm leads in turn
+                        cpu0, reads0 = cpu_seconds(collector.pid), redis_reads(r)
                         res = run_loadgen(arm, engine_url if arm == "direct" else url, c,
                                           a.seconds / a.rounds, a.turns, keep=True)  # fmt: skip
                         cpu[arm] += cpu_seconds(collector.pid) - cpu0
+                        reads[arm] += redis_reads(r) - reads0
                         served[arm] += res["n"] + res["warm"]
                         lat[arm] += res["lat"]
+                        rounds[arm].append(res["p50"])
                         client[arm] += res["client_cpu"]
                 q = {arm: quantiles(v) for arm, v in lat.items()}
                 for arm in arms[1:]:
                     added = [(q[arm][k] - q["direct"][k]) * 1e3 for k in (0, 1)]
                     vs = [(q[arm][k] - q["collector"][k]) * 1e3 for k in (0, 1)]
+                    paired = statistics.median(
+                        (p - chat) * 1e3 for p, chat in zip(rounds[arm], rounds["collector"], strict=True))
                     name = {"collector": "chat", "responses-nostore": "resp/nostore"}.get(arm, arm)
                     print(f"{c:>4} {name:>12} | "
                           f"{len(lat[arm]) / a.seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
                           f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | "
-                          f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {cpu[arm] * 1e3 / served[arm]:>10.2f} "
-                          f"{client[arm] * 1e3 / len(lat[arm]):>10.2f}", flush=True)  # fmt: skip
+                          f"{vs[0]:>11.2f} {vs[1]:>11.2f} | {paired:>13.2f} | "
+                          f"{cpu[arm] * 1e3 / served[arm]:>10.2f} "
+                          f"{client[arm] * 1e3 / len(lat[arm]):>10.2f} "
+                          f"{reads[arm] / served[arm]:>12.2f}", flush=True)  # fmt: skip
+        if a.mixed:
+            print(f"\nthe APIs at the same time (and the stand-in alone), c/4 agents each, over "
+                  f"{a.rounds} rounds: one burst of other load hits every arm alike")  # fmt: skip
+            print(f"{'conc':>4} {'api':>12} | {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} | "
+                  f"{'added p50':>9} {'added p99':>9} | {'vs chat p50':>11} {'vs chat p99':>11} | "
+                  f"{'round vs chat':>13}")  # fmt: skip
+            urls = {"direct": engine_url, **dict.fromkeys(ARMS.values(), url)}
+            for c in [int(x) for x in a.mixed.split(",") if x]:
+                mixed_table(c, urls, a.seconds, a.rounds, a.turns)
         r.close()
         if a.profile:
             stop_process(collector)
@@ -304,7 +373,7 @@ def main() -> None:
                          env, tmp / "collector-prof.log")  # fmt: skip
             procs.append(prof)
             wait_until(lambda: ready(url + "/readyz"), 90, "profiled collector")
-            run_loadgen("collector", url, 16, a.seconds, a.turns)
+            run_loadgen(ARMS[a.profile_api], url, 16, a.seconds, a.turns)
             stop_process(prof, timeout=30)
             print(f"profile written to {a.profile}")
     finally:

@@ -43,7 +43,7 @@ TRIMMED = frozenset({K.CHECKPOINTS, K.POLICY, K.EVALS, K.PROMOTIONS})
 UNBOUNDED = frozenset({K.DEAD})
 
 # Atomic "add unless over the bound": one round trip, no race between XLEN and XADD.
-_BOUNDED_XADD = """
+BOUNDED_XADD = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   redis.call('INCR', KEYS[2])
   return false
@@ -94,7 +94,7 @@ class Bus:
         self.keys = Keys(settings.redis.prefix)
         # redis-py's annotations do not model decode_responses=True: replies are typed Any.
         self.redis: Any = client if client is not None else connect(settings)
-        self._bounded_xadd = self.redis.register_script(_BOUNDED_XADD)
+        self._bounded_xadd = self.redis.register_script(BOUNDED_XADD)
         self._trim_script = self.redis.register_script(_TRIM_CONSUMED)
 
     async def aclose(self) -> None:

@@ -1,4 +1,5 @@
-"""`POST /v1/messages`: Anthropic's Messages API, answered the Anthropic way.
+"""`POST /v1/messages` (and `/v1/messages/count_tokens`): Anthropic's Messages API, answered
+the Anthropic way.
 
 The request becomes the internal conversation (anthropic_request.py) and goes down the
 one answer path every API shares (completion.py), so its `Turn` is the one a chat
@@ -30,7 +31,9 @@ from typing import Any
 
 from services.collector.anthropic_request import (
     MessagesRequest,
+    build_count_call,
     build_messages_call,
+    parse_count_tokens,
     parse_messages,
 )
 from services.collector.completion import Answer, ChatService, EventWriter, ExtraWrite, Prepared
@@ -168,6 +171,13 @@ class MessageEvents(EventWriter):
 class MessagesApi:
     def __init__(self, service: ChatService) -> None:
         self.service = service
+
+    async def count_tokens(self, raw: bytes, headers: Mapping[str, str]) -> Reply:
+        """`POST /v1/messages/count_tokens`: {"input_tokens": N}, N the prompt ids a
+        `/v1/messages` request of this conversation is answered from and captured with
+        (its `usage.input_tokens`)."""
+        call = build_count_call(parse_count_tokens(raw), self.service.cfg)
+        return dumps({"input_tokens": self.service.prompt_tokens(call)}), self.service.headers()
 
     async def create(self, raw: bytes, headers: Mapping[str, str]) -> Reply:
         service = self.service

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError
 
@@ -40,23 +40,28 @@ from services.collector.settings import CollectorConfig
 from shared.chat_messages import PART_SEPARATOR
 
 
-class MessagesRequest(_Strict):
+class CountTokensRequest(_Strict):
+    """`/v1/messages/count_tokens`: the conversation of a message request, no sampling."""
+
     model: str = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     messages: list[Any] = Field(min_length=1)
     system: str | list[Any] | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    mcp_servers: Any = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
     service_tier: str | None = None
     container: Any = None
-    mcp_servers: Any = None
     session_id: str | None = None
 
 
@@ -71,10 +76,21 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 
 def parse_messages(body: bytes) -> MessagesRequest:
+    return _parse(MessagesRequest, body)
+
+
+def parse_count_tokens(body: bytes) -> CountTokensRequest:
+    return _parse(CountTokensRequest, body)
+
+
+R = TypeVar("R", bound=CountTokensRequest)
+
+
+def _parse(model: type[R], body: bytes) -> R:
     if not body.strip():
         raise _bad("the request body is empty: send a JSON object")
     try:
-        return MessagesRequest.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         if any(e.get("type") == "json_invalid" for e in exc.errors()):
             raise _bad("the request body is not valid JSON") from None
@@ -194,7 +210,7 @@ def _assistant(blocks: list[Mapping[str, Any]], where: str) -> dict[str, Any]:
     return msg
 
 
-def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = _system(req.system)
     if system is not None:
@@ -273,13 +289,24 @@ def _tools_enabled(choice: Mapping[str, Any] | None, tools: list[dict[str, Any]]
     raise _bad(f"tool_choice.type: {kind!r}; expected auto, any, tool or none", "tool_choice")
 
 
-def build_messages_call(req: MessagesRequest, headers: Mapping[str, str], cfg: CollectorConfig) -> MessagesCall:
+def _conversation(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
+    """(chat messages, chat tools, whether the tools are rendered and parsed)."""
     for name in ("container", "mcp_servers"):
-        if getattr(req, name) is not None:
+        if getattr(req, name, None) is not None:
             raise _bad(f"{name}: not supported by this server; leave it out", name)
     messages = chat_messages(req)
     tools = chat_tools(req.tools)
-    enabled = _tools_enabled(req.tool_choice, tools)
+    return messages, tools, _tools_enabled(req.tool_choice, tools)
+
+
+def build_count_call(req: CountTokensRequest, cfg: CollectorConfig) -> ChatCall:
+    """The call whose prompt a `/v1/messages` request of this conversation would render."""
+    messages, tools, enabled = _conversation(req)
+    return make_call(messages, tools, tools_enabled=enabled, headers={}, cfg=cfg)
+
+
+def build_messages_call(req: MessagesRequest, headers: Mapping[str, str], cfg: CollectorConfig) -> MessagesCall:
+    messages, tools, enabled = _conversation(req)
     user = (req.metadata or {}).get("user_id")
     if user is not None and not isinstance(user, str):
         raise _bad("metadata.user_id: expected a string", "metadata")

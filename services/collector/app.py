@@ -1,8 +1,10 @@
 """The collector's HTTP surface: the three agent APIs, `/v1/models`, and the ops routes.
 
 - `POST /v1/chat/completions` (OpenAI Chat Completions),
-- `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` (OpenAI Responses; responses_api.py),
-- `POST /v1/messages` (Anthropic Messages; anthropic_api.py; the key also as `x-api-key`).
+- `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`
+  (OpenAI Responses; responses_api.py, input_items.py),
+- `POST /v1/messages` (Anthropic Messages; anthropic_api.py; the key also as `x-api-key`) and
+  `POST /v1/messages/count_tokens` (its prompt's length in the policy's tokens).
 
 All three share one answer and capture path (completion.py). Every request to `/v1/*`
 is checked in this order, each failure answered in its API's error shape (OpenAI's;
@@ -216,6 +218,8 @@ def build_app(
     messages = MessagesApi(service)
     for path in ("/v1/messages", "/messages"):
         routes[path] = ApiRoute("messages", messages.create, anthropic_api.error_bytes, x_api_key=True)
+        routes[path + "/count_tokens"] = ApiRoute("count_tokens", messages.count_tokens,
+                                                  anthropic_api.error_bytes, x_api_key=True)  # fmt: skip
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -251,7 +255,8 @@ def build_app(
 
 
 def _stored_routes(app: FastAPI, guard: Guard, service: ChatService, responses: ResponsesApi) -> None:
-    """GET and DELETE /v1/responses/{id}: the stored response objects."""
+    """GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: the stored
+    response objects."""
 
     async def answer(request: Request, op: Callable[[str], Awaitable[bytes]], response_id: str) -> Response:
         try:
@@ -262,6 +267,13 @@ def _stored_routes(app: FastAPI, guard: Guard, service: ChatService, responses: 
         return Response(body, media_type=JSON, headers=service.headers())
 
     for prefix in ("/v1/responses", "/responses"):
+        @app.get(prefix + "/{response_id}/input_items")
+        async def input_items(request: Request, response_id: str) -> Response:
+            query = request.query_params
+            includes = [*query.getlist("include"), *query.getlist("include[]")]
+            return await answer(request, lambda rid: responses.input_items(rid, query, includes),
+                                response_id)  # fmt: skip
+
         @app.get(prefix + "/{response_id}")
         async def retrieve(request: Request, response_id: str) -> Response:
             return await answer(request, responses.retrieve, response_id)

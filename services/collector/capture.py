@@ -236,8 +236,7 @@ class Capture:
         """Store the new turn as pending, or emit it now if it ends its session. `extra`
         rides along with the pending write (one round trip); True when it was written."""
         if turn.closed_by == "session_done":  # emitted before the response goes out
-            await self._emit(turn.to_json(), "session_done", self.timeout)
-            return False
+            return await self._emit_now(turn.to_json(), extra)
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
         record, lineage = make_record(turn, cache, deadline)
@@ -248,7 +247,7 @@ class Capture:
         that close together (group_records), in one round trip; or emitted now if the
         request ended its session."""
         if turns[0].closed_by == "session_done":
-            await asyncio.gather(*(self._emit(t.to_json(), "session_done", self.timeout) for t in turns))
+            await asyncio.gather(*(self._emit_now(t.to_json(), None) for t in turns))
             return
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
@@ -276,20 +275,23 @@ class Capture:
 
     # -- emitting ------------------------------------------------------------------------
 
-    async def _emit(self, data: str, closed_by: str, timeout: float) -> None:
-        """Publish a finished turn, or spool it (a timeout too: the replay's duplicate, if
-        the first one landed after all, has the same id and is dropped downstream)."""
+    async def _emit_now(self, data: str, extra: KeyValue | None) -> bool:
+        """Publish a turn that ends its session, with `extra` in the same round trip (True
+        when both went), or spool it (a timeout too: the replay's duplicate, if the first
+        one landed after all, has the same id and is dropped downstream)."""
         if self.state is State.UP:
             try:
-                async with asyncio.timeout(timeout):
-                    entry = await self.bus.publish_raw(K.TURNS, data)
-                M.TURNS.labels(closed_by).inc()
-                if entry is None:
+                async with asyncio.timeout(self.timeout):
+                    added = await self.fast.publish(data, extra)
+                self._strikes = 0
+                M.TURNS.labels("session_done").inc()
+                if not added:
                     M.SHED.labels("stream_bound").inc()
-                return
+                return extra is not None
             except FAILURES as exc:
                 self._failed(exc)
-        self._spool_turn(data, closed_by)
+        self._spool_turn(data, "session_done")
+        return False
 
     def _spool_turn(self, data: str, closed_by: str) -> None:
         M.TURNS.labels(closed_by).inc()

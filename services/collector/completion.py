@@ -51,6 +51,7 @@ from services.collector.pairing import candidates, prefix_hashes, response_hash
 from services.collector.pending_store import KeyValue
 from services.collector.request import ChatCall
 from services.collector.settings import CollectorConfig
+from services.collector.text_logprobs import text_logprobs
 from shared.chat import ChatTemplate, ChatTemplateError, PromptCache
 from shared.engine_client import (
     ChunkJoiner,
@@ -201,6 +202,19 @@ class ChatService:
             self._pieces = TokenPieces(self.template.tokenizer)
         return logprob_content(self._pieces, ids[:n], logprobs[:n], top[:n], call.top_logprobs)
 
+    def text_logprobs(self, ans: Answer) -> list[dict[str, Any]]:
+        """The log-prob entries of the tokens a plain answer's text came from (the Responses
+        API's output_text.logprobs; text_logprobs.py): the sampled text parsed again as
+        one stream chunk, so a plain and a streamed answer tie the same tokens to the text."""
+        call, result = ans.prep.call, ans.result
+        entries = self._logprob_entries(
+            call, result.output_ids, result.output_logprobs, result.output_top_logprobs,
+            result.matched_stop if result.finish_reason == "stop" else None,
+        )  # fmt: skip
+        parser = StreamParser(call.tools_enabled, self.cfg.tool_parser, self.cfg.reasoning,
+                              ans.prep.reasoning_open, drop=ans.prep.drop)  # fmt: skip
+        return text_logprobs(parser.feed(result.text) + parser.finish(), entries)
+
     # -- shared steps ----------------------------------------------------------------------
 
     async def prepare(self, call: ChatCall) -> Prepared:
@@ -229,6 +243,15 @@ class ChatService:
         sampling: SamplingLike = call.sampling if drop is None else {
             **call.sampling.model_dump(exclude_none=True), "skip_special_tokens": False}  # fmt: skip
         return Prepared(call, ids, cache, sampling, drop, opens, hashes, lookup, requested_at, session)
+
+    def prompt_tokens(self, call: ChatCall) -> int:
+        """The length of `call`'s prompt: the ids a captured turn of it would hold (the
+        template rendered and tokenized whole, as `prepare` does without a pending turn)."""
+        try:
+            ids, _ = self.template.encode_rendering(self.template.render_prompt(call.messages, call.tools))
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        return len(ids)
 
     def _version(self, reported: str | None) -> str:
         if reported:

@@ -54,7 +54,8 @@ FALLBACK_PENDING = Gauge(
 API_REQUESTS = Counter(
     "nextstate_collector_api_requests_total",
     "Responses API and Anthropic Messages API requests answered (chat: requests_total)",
-    ["api", "mode", "status"],  # api: responses | messages; mode: plain | stream (any: refused)
+    # api: responses | messages | count_tokens; mode: plain | stream (any: refused)
+    ["api", "mode", "status"],
 )  # fmt: skip
 STORED_RESPONSES = Counter(
     "nextstate_collector_stored_responses_total", "Responses API objects written to Redis",

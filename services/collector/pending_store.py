@@ -13,7 +13,9 @@ appended to the stored JSON), so there is no moment when a turn has left `pendin
 but not reached `turns` — a collector SIGKILLed at any point loses none. Whichever
 replica's request (or sweeper) runs the script first emits the turn; every other one
 finds nothing. The stream's bound applies as in shared/streams.py: over it, the turn is
-shed and counted. Each method is one round trip.
+shed and counted. Each method is one round trip; `put`/`put_many` and `publish` carry
+one more key written with them (a stored Responses object), so storing it costs no round
+trip of its own.
 
 A group (the n choices of one completion) is n pending records, each under its own
 response's hash; each one's header lists the others' hashes (`siblings`), and those of
@@ -32,10 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import NoScriptError
+
 from shared.keys import FIELD, Keys
+from shared.streams import BOUNDED_XADD
 
 SWEEP_BATCH = 256
-KeyValue = tuple[str, str, int]  # key, value, TTL in ms
+KeyValue = tuple[str, str | bytes, int]  # key, value, TTL in ms
 
 # KEYS: turns, its shed counter, pending-deadlines, then pending:<hash> per candidate.
 # ARGV: stream bound, entry field, closed_by, the pending keys' prefix, what to do with a
@@ -112,6 +117,11 @@ return out
 """
 
 
+def _set(kv: KeyValue) -> tuple[Any, ...]:
+    key, value, px = kv
+    return ("SET", key, value, "PX", px)
+
+
 def connect(url: str, timeout: float, max_connections: int = 128) -> Any:
     """A Redis client whose every operation fails within `timeout` — waiting for one of
     its `max_connections`, connecting, reading — with no retries: an outage is handled
@@ -154,6 +164,7 @@ class PendingStore:
         self.bound = bound
         self.unchosen = unchosen  # keep | judge | drop: a closed group member's siblings
         self._close = redis.register_script(_CLOSE)
+        self._publish = redis.register_script(BOUNDED_XADD)
 
     def key_ttl_ms(self, deadline: float, now: float) -> int:
         return max(1000, int((deadline - now + self.grace_s) * 1000))
@@ -170,12 +181,9 @@ class PendingStore:
         """Close and emit each candidate's pending turn (`states[i]`: its next state as
         JSON), and the siblings of a group member among them; GET the lineage of
         `lineage_of`. Returns (what was closed, lineage)."""
-        pipe = self.redis.pipeline(transaction=False)
         keys, args = self._close_args(hashes, "next_request", states, self.unchosen)
-        await self._close(keys=keys, args=args, client=pipe)
-        if lineage_of is not None:
-            pipe.get(self.keys.turn_lineage(lineage_of))
-        out = await pipe.execute()
+        then = [] if lineage_of is None else [("GET", self.keys.turn_lineage(lineage_of))]
+        out = await self._script_then(self._close, keys, args, then)
         lineage = None if lineage_of is None or out[-1] is None else str(out[-1])
         return Closed.of(out[0], len(hashes)), lineage
 
@@ -198,6 +206,38 @@ class PendingStore:
         if extra is not None:
             pipe.set(extra[0], extra[1], px=extra[2])
         await pipe.execute()
+
+    async def publish(self, turn: str, extra: KeyValue | None = None) -> bool:
+        """Add a finished turn to `turns` (bounded: False when shed), with `extra` written in
+        the same round trip."""
+        k = self.keys
+        keys, args = [k.turns, k.shed(k.turns)], [self.bound, FIELD, turn]
+        if extra is None:
+            return bool(await self._publish(keys=keys, args=args))
+        out = await self._script_then(self._publish, keys, args, [_set(extra)])
+        return bool(out[0])
+
+    async def _script_then(self, script: Any, keys: list[str], args: list[Any],
+                           then: list[tuple[Any, ...]]) -> list[Any]:  # fmt: skip
+        """EVALSHA `script`, then the commands `then`, in one round trip. (redis-py's own
+        pipeline asks SCRIPT EXISTS before every execute that holds a script: a second round
+        trip each time. Here a server that lost the script answers NOSCRIPT, and the script is
+        loaded and the whole pipeline sent again: nothing ran when EVALSHA failed, and the
+        commands after it are reads or idempotent writes.)"""
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for command in then:
+                pipe.execute_command(*command)
+            out: list[Any] = await pipe.execute(raise_on_error=False)
+            if isinstance(out[0], NoScriptError) and attempt == 1:
+                script.sha = await self.redis.script_load(script.script)
+                continue
+            for item in out:
+                if isinstance(item, Exception):
+                    raise item
+            return out
+        raise AssertionError("unreachable")
 
     async def drop(self, hashes: Sequence[str]) -> None:
         """Delete pending turns that were closed elsewhere (replaying a spool)."""

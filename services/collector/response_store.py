@@ -8,12 +8,16 @@ internal chat messages up to and including its answer, without the request's
 naming it as `previous_response_id` continues that conversation, so its prompt is the
 same one a client resending the whole history would get, and its pending turn pairs.
 
-The write rides with the turn's pending record (one Redis round trip, capture.py); a
-turn that is not stored as pending (a side turn, the end of a session, capture
-spooling through a Redis outage) has it written on its own. On the request path Redis
-gets `redis_timeout_s`, as everywhere in the collector. A write that fails is logged
-and counted and the response still goes out (a later `previous_response_id` naming it
-is then a 404); a read that fails is a 503.
+The write rides with the turn's capture in one Redis round trip (capture.py): with its
+pending record, or with its emission when the request ends the session. A turn that is
+not captured (a side turn) or not captured in Redis (capture spooling through an
+outage) has it written on its own. Either way the write is done before the response
+goes out, so once a client holds a stored response, a follow-up on any replica finds
+it (a collector killed after writing and before answering leaves a response nobody
+received, which expires). On the request path Redis gets `redis_timeout_s`, as
+everywhere in the collector. A write that fails is logged and counted and the response
+still goes out; a later `previous_response_id` naming it is then a 404 that says what
+may have happened and what to do (resend the conversation). A read that fails is a 503.
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ class ResponseStore:
         self.timeout = timeout_s
         self._failing = False  # warn once per outage, not once per request
 
-    def prepare(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> StoredWrite:
-        record = dumps({"response": response, "messages": messages}).decode()
+    def prepare(self, response: dict[str, Any], messages: list[dict[str, Any]],
+                body: bytes | None = None) -> StoredWrite:  # fmt: skip
+        """The write keeping `response` (`body`: its JSON, when already serialized for the
+        client) and its conversation."""
+        raw = dumps(response) if body is None else body
+        record = b'{"response":' + raw + b',"messages":' + dumps(messages) + b"}"
         return StoredWrite(self, (self.keys.stored_response(response["id"]), record, self.ttl_ms),
                            response["id"])  # fmt: skip
 

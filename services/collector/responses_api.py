@@ -1,4 +1,5 @@
-"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: OpenAI's Responses API.
+"""`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` and `GET …/{id}/input_items`:
+OpenAI's Responses API.
 
 The request becomes the internal conversation (responses_request.py) and goes down the
 one answer path every API shares (completion.py: template, engine, parse, capture), so
@@ -21,10 +22,15 @@ answer is shaped here:
   with the whole response and its usage. A failure after the stream began is one
   `error` event. The assistant message stays open until the end, so text after a
   tool call joins it, as in the plain response;
+- `include: ["message.output_text.logprobs"]` (+ `top_logprobs`): the `output_text`
+  part carries the log-probs of the tokens its text came from (text_logprobs.py), in a
+  stream each `response.output_text.delta` those of its own text;
 - `store` (default true): the response and its conversation are kept in Redis
-  (response_store.py), written in the same round trip as the turn's pending record
-  (on its own when there is none), before the response (or its closing event) goes
-  out, so a follow-up by `previous_response_id` finds it.
+  (response_store.py), written in the same round trip as the turn's pending record or
+  its emission at the end of a session (on its own only for a side turn or while
+  capture spools), before the response (or its closing event) goes out, so a
+  follow-up by `previous_response_id` finds it on any replica; `GET …/input_items`
+  lists the items it was generated from (input_items.py).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from services.collector.completion import Answer, ChatService, EventWriter, ExtraWrite, Prepared
+from services.collector.input_items import conversation_items, page, page_params
 from services.collector.openai_shapes import ApiError, dumps
 from services.collector.response_store import ResponseStore
 from services.collector.responses_request import (
@@ -42,6 +49,7 @@ from services.collector.responses_request import (
     build_responses_call,
     parse_responses,
 )
+from services.collector.text_logprobs import TextLogprobs
 from shared.schemas import SamplingParams
 from shared.toolcalls import ContentDelta, Delta, ReasoningDelta
 
@@ -59,8 +67,8 @@ def usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
             "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
@@ -68,9 +76,10 @@ def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+def message_item(text: str, status: str = "completed", item_id: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     return {"id": item_id or new_id("msg_"), "type": "message", "status": status,
-            "role": "assistant", "content": [text_part(text)]}  # fmt: skip
+            "role": "assistant", "content": [text_part(text, logprobs)]}  # fmt: skip
 
 
 def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict[str, Any]:
@@ -78,13 +87,16 @@ def call_item(call_id: str, name: str, arguments: str, item_id: str | None = Non
             "call_id": call_id, "name": name, "arguments": arguments}  # fmt: skip
 
 
-def output_items(message: Mapping[str, Any], finish: str) -> list[dict[str, Any]]:
-    """An assistant message (chat's shape) as Responses output items."""
+def output_items(message: Mapping[str, Any], finish: str,
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """An assistant message (chat's shape) as Responses output items (`logprobs`: its
+    text's, when asked for)."""
     out: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
         out.append(reasoning_item(message["reasoning_content"]))
     if message.get("content"):
-        out.append(message_item(message["content"], "incomplete" if finish == "length" else "completed"))
+        status = "incomplete" if finish == "length" else "completed"
+        out.append(message_item(message["content"], status, logprobs=logprobs))
     for call in message.get("tool_calls") or ():
         fn = call["function"]
         out.append(call_item(call["id"], fn["name"], fn["arguments"]))
@@ -117,7 +129,8 @@ class ResponseShape:
             "temperature": self.sampling.temperature,
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
-            "tools": req.tools or [], "top_p": self.sampling.top_p,
+            "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0,
+            "top_p": self.sampling.top_p,
             "truncation": req.truncation or "disabled",
             "usage": None if ans is None else usage(ans.prompt_tokens, ans.completion_tokens),
             "user": req.user, "metadata": req.metadata or {},
@@ -130,7 +143,8 @@ class ResponseShape:
 class ResponsesEvents(EventWriter):
     """The server-sent events of one streamed response."""
 
-    def __init__(self, shape: ResponseShape, keep: ResponsesApi | None, history: list[dict[str, Any]]) -> None:
+    def __init__(self, shape: ResponseShape, keep: ResponsesApi | None, history: list[dict[str, Any]],
+                 logprobs: bool = False) -> None:  # fmt: skip
         self.shape = shape
         self.answer_id = shape.id
         self.keep = keep  # stores the final response (None: store false)
@@ -141,6 +155,9 @@ class ResponsesEvents(EventWriter):
         self.message: int | None = None  # … of the open message item
         self.closing: list[bytes] | None = None
         self.response: dict[str, Any] = {}
+        self.response_json: bytes | None = None  # as stored (store true)
+        self.lp = TextLogprobs() if logprobs else None  # the tokens' entries, tied to text
+        self.text_lp: list[dict[str, Any]] = []  # the open message's
 
     def _ev(self, kind: str, **fields: Any) -> bytes:
         data = dumps({"type": kind, "sequence_number": self.seq, **fields})
@@ -158,7 +175,11 @@ class ResponsesEvents(EventWriter):
 
     def feed(self, deltas: list[Delta], logprobs: list[dict[str, Any]]) -> list[bytes]:
         out: list[bytes] = []
+        lp = self.lp
+        if lp is not None:
+            lp.add(logprobs)
         for d in deltas:
+            mine = [] if lp is None else lp.route(d)
             if isinstance(d, ReasoningDelta):
                 if self.reasoning is None:
                     self.reasoning = self._open({"id": new_id("rs_"), "type": "reasoning",
@@ -178,9 +199,10 @@ class ResponsesEvents(EventWriter):
                     out.append(self._part("added", self.message, text_part("")))
                 item = self.items[self.message]
                 item["text"] = item.get("text", "") + d.text
+                self.text_lp += mine
                 out.append(self._ev("response.output_text.delta", item_id=item["id"],
                                     output_index=self.message, content_index=0, delta=d.text,
-                                    logprobs=[]))  # fmt: skip
+                                    logprobs=mine))  # fmt: skip
                 continue
             done = call_item(d.id or "", d.name or "", d.arguments)
             index = self._open({**done, "status": "in_progress", "arguments": ""}, out)
@@ -213,9 +235,9 @@ class ResponsesEvents(EventWriter):
         index, self.message = self.message, None
         text = self.items[index].pop("text", "")
         status = "incomplete" if finish == "length" else "completed"
-        item = self.items[index] = message_item(text, status, self.items[index]["id"])
+        item = self.items[index] = message_item(text, status, self.items[index]["id"], self.text_lp)
         out.append(self._ev("response.output_text.done", item_id=item["id"], output_index=index,
-                            content_index=0, text=text, logprobs=[]))  # fmt: skip
+                            content_index=0, text=text, logprobs=self.text_lp))  # fmt: skip
         out.append(self._part("done", index, item["content"][0]))
         out.append(self._ev("response.output_item.done", output_index=index, item=item))
 
@@ -231,12 +253,17 @@ class ResponsesEvents(EventWriter):
         self._finish(ans)
         if self.keep is None:
             return None
-        return self.keep.store.prepare(self.response, [*self.history, ans.message])
+        self.response_json = dumps(self.response)
+        return self.keep.store.prepare(self.response, [*self.history, ans.message], self.response_json)
 
     def end(self, ans: Answer) -> list[bytes]:
         closing = self._finish(ans)
         kind = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
-        return [*closing, self._ev(kind, response=self.response)]
+        if self.response_json is None:
+            return [*closing, self._ev(kind, response=self.response)]
+        # The response as stored, serialized once: {"type", "sequence_number", "response"}.
+        head = self._ev(kind)[: -len(b"}\n\n")]
+        return [*closing, head + b',"response":' + self.response_json + b"}\n\n"]
 
     def error(self, err: ApiError) -> bytes:
         return self._ev("error", code=err.code or err.kind, message=err.message, param=err.param)
@@ -255,7 +282,12 @@ class ResponsesApi:
             stored = await self.store.get(req.previous_response_id)
             if stored is None:
                 raise ApiError(404, f"Previous response with id '{req.previous_response_id}' not "
-                                    "found.", param="previous_response_id",
+                                    "found: it may still be streaming, have expired (stored "
+                                    f"responses are kept {service.cfg.responses_ttl_s:g} s), been "
+                                    "deleted, been created with store: false, or not been stored "
+                                    "because Redis was unavailable. Send the whole conversation "
+                                    "as input instead.",
+                               param="previous_response_id",
                                code="previous_response_not_found")  # fmt: skip
             prior = stored.messages
         rc = build_responses_call(req, prior, headers, service.cfg)
@@ -263,22 +295,33 @@ class ResponsesApi:
         keep = self if req.store is not False else None
         if rc.call.stream:
             def writer(prep: Prepared, version: str) -> EventWriter:
-                return ResponsesEvents(shape, keep, rc.history)
+                return ResponsesEvents(shape, keep, rc.history, rc.call.logprobs)
 
             return await service.open_stream(rc.call, writer)
         t0 = time.perf_counter()
         ans = await service.generate(rc.call, shape.id)
-        body = shape.final(ans, output_items(ans.message, ans.finish))
-        extra = None if keep is None else self.store.prepare(body, [*rc.history, ans.message])
+        logprobs = service.text_logprobs(ans) if rc.call.logprobs else None
+        body = shape.final(ans, output_items(ans.message, ans.finish, logprobs))
+        out = dumps(body)
+        extra = None if keep is None else self.store.prepare(body, [*rc.history, ans.message], out)
         await service.keep(ans, extra)
         service.observe(ans, t0)
-        return dumps(body), service.headers(ans.prep, ans.version)
+        return out, service.headers(ans.prep, ans.version)
 
     async def retrieve(self, response_id: str) -> bytes:
         stored = await self.store.get(response_id)
         if stored is None:
             raise _not_found(response_id)
         return dumps(stored.response)
+
+    async def input_items(self, response_id: str, query: Mapping[str, str], includes: list[str]) -> bytes:
+        """A page of the items the stored response was generated from (input_items.py)."""
+        limit, order, after = page_params(query, includes)
+        stored = await self.store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        items = conversation_items(stored.messages[:-1])  # its answer is its output, not input
+        return dumps(page(items, limit, order, after))
 
     async def delete(self, response_id: str) -> bytes:
         if not await self.store.delete(response_id):

@@ -26,10 +26,13 @@ and the same `Turn` is captured, whichever API the agent speaks:
 
 Every function call must be answered by a `function_call_output` before the conversation
 goes on, and every output must answer a call ("No tool output found for function call
-…" otherwise, as OpenAI says it). Accepted and ignored: `parallel_tool_calls`,
-`reasoning`, `include`, `metadata`, `truncation`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`, `stream_options`, `text.verbosity`. Refused, because they would be
-ignored: `background`, `conversation`, `prompt`, `max_tool_calls`, `top_logprobs` > 0.
+…" otherwise, as OpenAI says it). `include: ["message.output_text.logprobs"]` returns
+the log-probs of the text's tokens (text_logprobs.py), with `top_logprobs` (0–20)
+alternatives each; `top_logprobs` > 0 without that include is refused, as chat refuses
+`top_logprobs` without `logprobs`. Accepted and ignored: `parallel_tool_calls`,
+`reasoning`, other `include` values, `metadata`, `truncation`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`, `stream_options`, `text.verbosity`. Refused,
+because they would be ignored: `background`, `conversation`, `prompt`, `max_tool_calls`.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ BUILTIN_TOOLS = frozenset({
     "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom", "tool_search",
 })  # fmt: skip
 INPUT_TEXT = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # the `include` asking for output_text.logprobs
 ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -377,9 +381,9 @@ def _refuse(req: ResponsesRequest) -> None:
             raise _bad(f"{what} are not supported by this server; leave '{name}' out"
                        + (" and continue with previous_response_id." if name == "conversation" else "."),
                        name, "unsupported_value")  # fmt: skip
-    if req.top_logprobs:
-        raise _bad("top_logprobs is not supported on /v1/responses; use /v1/chat/completions "
-                   "with logprobs.", "top_logprobs", "unsupported_value")  # fmt: skip
+    if req.top_logprobs and LOGPROBS not in (req.include or ()):
+        raise _bad(f"Invalid value for 'top_logprobs': it needs 'include': ['{LOGPROBS}'].",
+                   "top_logprobs")  # fmt: skip
 
 
 def build_responses_call(
@@ -396,11 +400,13 @@ def build_responses_call(
     enabled = _tools_enabled(req.tool_choice, names)
     messages = history if req.instructions is None else [
         {"role": "system", "content": req.instructions}, *history]  # fmt: skip
+    logprobs = LOGPROBS in (req.include or ())
     call = make_call(
         messages, tools, tools_enabled=enabled, headers=headers, cfg=cfg,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_output_tokens, seed=req.seed, json_schema=text_format(req.text),
         stream=bool(req.stream), user=req.user or req.safety_identifier,
-        session_id=req.session_id, messages_param="input",
+        session_id=req.session_id, messages_param="input", logprobs=logprobs,
+        top_logprobs=(req.top_logprobs or 0) if logprobs else 0,
     )  # fmt: skip
     return ResponsesCall(req, call, history)

@@ -122,7 +122,7 @@ BASE = ("resetchannels", "-@all", "+@connection", "-@admin", "-@dangerous",
 # A consumer-group member (shared/consumer.py): read, claim, ack, reclaim, inspect, trim.
 CONSUME = ("xgroup|create", "xreadgroup", "xack", "xclaim", "xpending", "xinfo|groups",
            "xlen", "xrange", "xrevrange", "xtrim", "evalsha")
-# A bounded publish (shared/streams.py `_BOUNDED_XADD`): XLEN, then XADD or INCR the shed count.
+# A bounded publish (shared/streams.py `BOUNDED_XADD`): XLEN, then XADD or INCR the shed count.
 PUBLISH = ("evalsha", "xlen", "xadd", "incr")
 
 # An rq worker of one queue (shared/rqworker.py), on its keys only.

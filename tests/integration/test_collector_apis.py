@@ -257,6 +257,55 @@ def test_responses_streamed_and_resent_history(client: openai.OpenAI, turns: Tur
     assert second.closed_by == "session_done"
 
 
+def test_responses_input_items_and_text_logprobs(client: openai.OpenAI, turns: Turns) -> None:
+    """`responses.input_items.list` pages the items a stored response was generated from
+    (the whole chain's); `include` logprobs gives the answer text's tokens, plain and
+    streamed, with the log-probs captured for training."""
+    raw = client.responses.with_raw_response.create(
+        model="m", input=QUESTIONS[0], tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=64,  # type: ignore[arg-type]
+    )  # fmt: skip
+    sid, r1 = raw.headers["x-session-id"], raw.parse()
+    (call,) = r1.output
+    assert call.type == "function_call"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}
+    include: Any = ["message.output_text.logprobs"]
+    r2 = client.responses.create(model="m", previous_response_id=r1.id, input=[output],  # type: ignore[list-item]
+                                 tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=64,  # type: ignore[arg-type]
+                                 include=include, top_logprobs=2)  # fmt: skip
+    assert r2.output_text == ANSWER
+    items = list(client.responses.input_items.list(r2.id, limit=1))  # one per page, newest first
+    assert [i.type for i in items] == ["function_call_output", "function_call", "message"]
+    fco, fc, question = items
+    assert (fco.call_id, fco.output) == (call.call_id, TOOL_RESULT)  # type: ignore[union-attr]
+    assert (fc.call_id, fc.name, fc.arguments) == (call.call_id, "get_weather", call.arguments)  # type: ignore[union-attr]
+    assert question.role == "user" and question.content[0].text == QUESTIONS[0]  # type: ignore[union-attr]
+    first = client.responses.input_items.list(r1.id, order="asc")
+    assert [i.id for i in first.data] == [question.id] and first.has_more is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.input_items.list(r2.id, limit=101)
+    assert bad.value.param == "limit"
+    unauthorized = httpx.get(f"{client.base_url}responses/{r2.id}/input_items", timeout=30)
+    assert unauthorized.status_code == 401
+    # The answer's log-probs: its text's tokens, each with two alternatives, and the
+    # values the captured turn holds for the same tokens.
+    lps = r2.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert lps and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert b"".join(bytes(lp.bytes) for lp in lps).decode().strip() == ANSWER
+    with client.responses.stream(model="m", input=[{"role": "user", "content": QUESTIONS[0]}, call, output],  # type: ignore[list-item]
+                                 tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=64,  # type: ignore[arg-type]
+                                 include=include, top_logprobs=2,
+                                 extra_headers={"X-Session-Done": "1"}) as s:  # fmt: skip
+        streamed = [lp for e in s if e.type == "response.output_text.delta" for lp in e.logprobs]
+        final = s.get_final_response()
+    assert final.output_text == ANSWER
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps]
+    assert final.output[0].content[0].logprobs == lps  # type: ignore[union-attr]
+    second = by_index(turns, sid, 2)[1]
+    assert [lp.logprob for lp in lps] == second.response_logprobs[: len(lps)]
+
+
 # -- the anthropic client ----------------------------------------------------------------------------
 
 
@@ -285,6 +334,31 @@ def test_anthropic_messages_tool_use_round_trip(
     a, b = by_index(turns, sid, 2)
     check_tool_round(client, turns, a, b, QUESTIONS[0], TOOLS)
     assert a.completion_id == first.id and b.completion_id == final.id
+
+
+def test_anthropic_count_tokens_is_the_captured_prompt_length(
+    stack: dict[str, str], client: openai.OpenAI, turns: Turns
+) -> None:
+    sid = session()
+    user = {"role": "user", "content": QUESTIONS[1]}
+    with anthropic.Anthropic(base_url=stack["url"], api_key=KEY, max_retries=0, timeout=60) as ac:
+        counted = ac.messages.count_tokens(model="m", messages=[user], system="be brief",  # type: ignore[list-item]
+                                           tools=ANTHROPIC_TOOLS)  # type: ignore[arg-type]
+        sent = ac.messages.create(model="m", max_tokens=64, messages=[user], system="be brief",  # type: ignore[list-item]
+                                  tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
+                                  extra_headers={"X-Session-Id": sid, "X-Session-Done": "1"})  # fmt: skip
+        bare = ac.messages.count_tokens(model="m", messages=[user])  # type: ignore[list-item]
+        with pytest.raises(anthropic.BadRequestError, match="text only"):
+            image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+            ac.messages.count_tokens(model="m", messages=[{"role": "user", "content": [image]}])  # type: ignore[list-item]
+    (turn,) = turns.wait(lambda ts: len(ts) == 1, sessions=[sid])
+    assert counted.input_tokens == len(turn.prompt_ids) == sent.usage.input_tokens
+    system = {"role": "system", "content": "be brief"}
+    assert counted.input_tokens == len(chat_prompt_ids(client, turns, [system, user], TOOLS))
+    assert 0 < bare.input_tokens < counted.input_tokens
+    url = stack["url"] + "/v1/messages/count_tokens"
+    r = httpx.post(url, json={"model": "m", "messages": [user]}, headers={"x-api-key": "wrong"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
 def test_anthropic_auth_and_errors(stack: dict[str, str]) -> None:
@@ -317,6 +391,7 @@ def test_responses_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.create(model="m", input="hi", previous_response_id="resp_nope")
     assert missing.value.param == "previous_response_id"
+    assert "store: false" in missing.value.message and "whole conversation" in missing.value.message
     with pytest.raises(openai.BadRequestError, match="No tool output found"):
         client.responses.create(model="m", input=[
             {"role": "user", "content": "hi"},

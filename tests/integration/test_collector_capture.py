@@ -274,3 +274,52 @@ async def test_a_slow_redis_degrades_requests_but_is_down_only_after_repeated_ti
     finally:
         await reps.close()
         hung.stop()
+
+
+async def test_each_capture_write_is_one_round_trip_and_carries_a_stored_response(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Closing (lookup), storing pending and emitting at the end of a session each send one
+    pipeline: no SCRIPT EXISTS before the scripts (redis-py's own pipelines ask it on every
+    execute), and a stored Responses object rides along with the pending record or the
+    emission. A server without the scripts (new, restarted, SCRIPT FLUSH) gets them."""
+    server = RedisServer().start()
+    own = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": server.url})})
+    reps = Replicas(own, tmp_path)
+    try:
+        cap = reps.make(0)
+        admin, keys = cap.bus.redis, cap.bus.keys
+
+        async def conversation(n: int) -> None:
+            """Two turns with stored responses: one closed by a follow-up, one ending the session."""
+            msgs = [user(f"q{n}")]
+            t1 = new_turn(msgs, "a1", session=f"s{n}")
+            kept = (keys.stored_response(f"resp_{n}a"), b'{"response":{}}', 60_000)
+            assert await cap.finish(t1, CACHE, response_hash(prefix_hashes(msgs), t1.response), kept)
+            follow, cands = follow_up(msgs, t1, "u2")
+            assert (await cap.begin(follow, cands)).closed == 1
+            t2 = new_turn(follow, "a2", session=f"s{n}", index=1)
+            kept2 = (keys.stored_response(f"resp_{n}b"), b'{"response":{}}', 60_000)
+            done = t2.model_copy(update={"closed_by": "session_done"})
+            assert await cap.finish(done, CACHE, "unused", kept2)
+            got = [(t.id, t.closed_by) for t in await replicas_turns(cap)][-2:]
+            assert got == [(t1.id, "next_request"), (t2.id, "session_done")]
+            assert await admin.get(kept[0]) and 0 < await admin.pttl(kept2[0]) <= 60_000
+
+        await conversation(0)  # a new server: each script is loaded on its first NOSCRIPT
+        await admin.config_resetstat()
+        await conversation(1)
+        stats = await admin.info("commandstats")
+        assert "cmdstat_script|exists" not in stats and "cmdstat_script|load" not in stats
+        # Three round trips: SET SET ZADD SET | EVALSHA GET | EVALSHA SET
+        assert stats["cmdstat_evalsha"]["calls"] == 2 and stats["cmdstat_set"]["calls"] == 4
+        await admin.script_flush()
+        await conversation(2)
+    finally:
+        await reps.close()
+        server.close()
+
+
+async def replicas_turns(cap: Capture) -> list[Turn]:
+    rows = await cap.bus.redis.xrange(cap.bus.keys.turns)
+    return [Turn.from_json(f["data"]) for _, f in rows]

@@ -208,8 +208,17 @@ async def test_collector_stores_pending_turns_and_publishes_turns_only(acl: Acl)
     assert await bus.publish(K.TURNS, turn()) is not None
     admin = acl.bus(redis_acl.ADMIN).redis
     assert await admin.xlen(k.turns) == 5
-    assert await bus.publish_raw(K.TURNS, "{}", maxlen=5) is None  # over its bound: shed, counted
-    assert await admin.xlen(k.turns) == 5 and await admin.get(k.shed(k.turns)) == "1"
+    # A session's last turn and its stored Responses object, in one round trip; a pending
+    # turn with one (and a server that lost the scripts loads them again).
+    await admin.script_flush()
+    assert await store.publish(turn().to_json(), (k.stored_response("resp_0"), "{}", 60_000))
+    await store.put("h4", r1, now + 60, lineage, now, (k.stored_response("resp_00"), "{}", 60_000))
+    closed, got_lineage = await store.lookup(["h4"], "h4", ["[]"])
+    assert (closed.records, got_lineage, closed.shed) == ([r1], lineage, 0)
+    assert await admin.get(k.stored_response("resp_0")) == await admin.get(k.stored_response("resp_00")) == "{}"
+    await admin.xtrim(k.turns, maxlen=3, approximate=False)
+    assert await bus.publish_raw(K.TURNS, "{}", maxlen=3) is None  # over its bound: shed, counted
+    assert await admin.xlen(k.turns) == 3 and await admin.get(k.shed(k.turns)) == "1"
     responses = ResponseStore(bus.redis, k, ttl_s=60, timeout_s=5)  # /v1/responses with store
     await responses.put({"id": "resp_1"}, [{"role": "user", "content": "q"}])
     stored = await responses.get("resp_1")
