@@ -23,8 +23,8 @@ from shared.schemas import ScoredTurn, Turn
 from shared.settings import Settings
 from shared.streams import Bus
 from tests.integration.test_judge_service import all_acked, eventually, get, scored, start_judge
+from tests.support.collector_harness import engine_process
 from tests.support.judge_standin import StandinThread
-from tests.support.servers import ServiceProcess
 
 pytestmark = pytest.mark.integration
 
@@ -37,15 +37,10 @@ TOKEN = "opd-test-internal-token-0123"
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[str]:
-    port = free_port()
-    proc = ServiceProcess(
-        "engine", env={"NEXTSTATE_ENV": "test", "NEXTSTATE_ENGINE__THREADS": "1",
-                       "NEXTSTATE_INTERNAL__TOKEN": TOKEN},
-        args=["--model", str(tiny_model), "--port", str(port)],
-    )  # fmt: skip
+    proc, url = engine_process(tiny_model, NEXTSTATE_INTERNAL__TOKEN=TOKEN)
     try:
-        proc.start().wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
-        yield f"http://127.0.0.1:{port}"
+        proc.wait_http(f"{url}/health", timeout=120)
+        yield url
     finally:
         proc.stop()
 
