@@ -19,19 +19,26 @@ cost; at 64 the offered load (~1,280/s) is more than one collector process serve
 this machine, so that row measures its throughput.
 
     python bench/collector.py [--concurrency 1,16,64] [--seconds 6] [--latency-ms 50]
-                              [--apis 1,16] [--mixed 16] [--profile out.prof [--profile-api responses]]
+                              [--apis 1,16] [--mixed 16] [--mixed-seconds 60]
+                              [--profile out.prof [--profile-api responses]]
                               (--profile: cProfile of the collector at 16, driven by chat or the API named)
 
 `--apis`: at these concurrencies the same conversations also go through the Responses API
 (history resent as items, `store` at its default, true: the response and its conversation
 written to Redis with the pending turn; and `resp/nostore`: store false) and the
 Anthropic Messages API (content blocks), each against the stand-in alone and
-against chat completions in the same run, with the collector's CPU per request, the
-load generator's (`client cpu`: building and parsing each API's bodies, on the same cores)
-and Redis round trips per request (`redis rt/req`: what Redis read, which no other load
-on the machine changes). `--mixed 16`: the four APIs and the stand-in alone at the same
-time, 4 agents each, so that a burst of other load on a shared machine hits them alike
-(the sequential arms of `--apis` each meet their own).
+against chat completions, the arms one after another, interleaved over `--rounds`, with
+the collector's CPU per request, the load generator's (`client cpu`: building and parsing
+each API's bodies, on the same cores) and Redis round trips per request (`redis rt/req`:
+what Redis read, which no other load on the machine changes).
+
+`--mixed 16` (the default): the four APIs side by side, 4 agents each (16 on the
+collector) beside 4 on the stand-in alone, for `--mixed-seconds`. On a shared host the
+same CPU work takes up to twice as long in bursts (the last line prints how much a fixed
+loop varied between runs); arms run one after another each meet their own bursts, and
+at concurrency 16, where the collector's event loop is busy, a burst moves p50 by
+several ms. Side by side, every burst hits every API alike: that table is the
+comparison of the APIs at 16; at 1 the sequential arms compare well.
 
 Targets on this machine: added p50 <= 3 ms at concurrency 16; >= 500 captured
 completions/s per collector process; each API's added p50/p99 within 1 ms of chat's.
@@ -52,10 +59,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.servers import REPO, RedisServer, free_port, stop_process, wait_until
 
+PROBES: list[float] = []  # host_probe() between runs
 # --profile-api names -> load generator arms
 ARMS = {"chat": "collector", "responses": "responses", "resp/nostore": "responses-nostore",
         "messages": "messages"}  # fmt: skip
@@ -101,12 +111,12 @@ async def agent(arm: str, url: str, client: Any, rng: random.Random, turns: int,
             last = t == turns - 1
             if arm != "direct":
                 path, body = request(arm, system, history)
-                headers = {"x-session-done": "1"} if last else {}
+                headers = {"content-type": "application/json", **({"x-session-done": "1"} if last else {})}
                 t0 = time.perf_counter()
-                r = await client.post(url + path, json=body, headers=headers)
+                r = await client.post(url + path, content=orjson.dumps(body), headers=headers)
                 dt = time.perf_counter() - t0
                 r.raise_for_status()
-                history = [*history, *assistant_turn(arm, r.json()),
+                history = [*history, *assistant_turn(arm, orjson.loads(r.content)),
                            {"role": "user", "content": words(rng, rng.randint(5, 30))}]  # fmt: skip
             else:
                 n = 90 + t * 45  # about the collector's prompt length at this turn
@@ -114,10 +124,11 @@ async def agent(arm: str, url: str, client: Any, rng: random.Random, turns: int,
                         "sampling_params": {"max_new_tokens": 32, "temperature": 1.0},
                         "return_logprob": True, "stream": False}  # fmt: skip
                 t0 = time.perf_counter()
-                r = await client.post(url + "/generate", json=body)
+                r = await client.post(url + "/generate", content=orjson.dumps(body),
+                                      headers={"content-type": "application/json"})  # fmt: skip
                 dt = time.perf_counter() - t0
                 r.raise_for_status()
-                r.json()
+                orjson.loads(r.content)
             if time.perf_counter() < stop_at:
                 lat.append(dt)
             else:
@@ -167,6 +178,7 @@ def mixed_table(c: int, urls: dict[str, str], seconds: float, rounds: int, turns
     lat: dict[str, list[float]] = {arm: [] for arm in urls}
     p50s: dict[str, list[float]] = {arm: [] for arm in urls}
     for _ in range(rounds):
+        PROBES.append(host_probe())
         for arm, res in run_mixed(urls, max(1, c // 4), seconds / rounds, turns).items():
             lat[arm] += res["lat"]
             p50s[arm].append(res["p50"])
@@ -179,6 +191,16 @@ def mixed_table(c: int, urls: dict[str, str], seconds: float, rounds: int, turns
         print(f"{c:>4} {name:>12} | {len(lat[arm]) / seconds:>6.0f} {q[arm][0] * 1e3:>7.2f} "
               f"{q[arm][1] * 1e3:>7.2f} | {added[0]:>9.2f} {added[1]:>9.2f} | {vs[0]:>11.2f} "
               f"{vs[1]:>11.2f} | {paired:>13.2f}", flush=True)  # fmt: skip
+
+
+def host_probe() -> float:
+    """CPU seconds of a fixed pure-Python loop: on a shared host the same work takes up to
+    twice as long in bursts (other tenants), which no sequential comparison survives."""
+    t0 = time.process_time()
+    total = 0
+    for i in range(1_000_000):
+        total += i
+    return time.process_time() - t0
 
 
 def quantiles(lat: list[float]) -> tuple[float, float]:
@@ -255,9 +277,12 @@ def main() -> None:
     p.add_argument("--apis", default="1,16",
                    help="concurrencies at which the Responses and Messages APIs are measured "
                         "beside chat completions (empty: none)")  # fmt: skip
-    p.add_argument("--mixed", default="",
-                   help="total concurrencies at which the four APIs (and the stand-in alone) also "
-                        "run at the same time, a quarter of the agents each")  # fmt: skip
+    p.add_argument("--mixed", default="16",
+                   help="collector concurrencies at which the four APIs also run at the same time, "
+                        "a quarter of the agents each, beside the stand-in alone (as many again "
+                        "as one API); empty: none")  # fmt: skip
+    p.add_argument("--mixed-seconds", type=float, default=60.0,
+                   help="--mixed: seconds per concurrency (p99 needs a few thousand requests per API)")
     p.add_argument("--rounds", type=int, default=3,
                    help="--apis: each arm's --seconds split over this many interleaved runs")
     p.add_argument("--loadgen", choices=["direct", "collector", "responses", "responses-nostore", "messages"],
@@ -334,6 +359,7 @@ def main() -> None:
                 reads = dict.fromkeys(arms, 0)
                 for k in range(a.rounds):
                     for arm in arms[k % len(arms):] + arms[: k % len(arms)]:  # each arm leads in turn
+                        PROBES.append(host_probe())
                         cpu0, reads0 = cpu_seconds(collector.pid), redis_reads(r)
                         res = run_loadgen(arm, engine_url if arm == "direct" else url, c,
                                           a.seconds / a.rounds, a.turns, keep=True)  # fmt: skip
@@ -365,7 +391,11 @@ def main() -> None:
                   f"{'round vs chat':>13}")  # fmt: skip
             urls = {"direct": engine_url, **dict.fromkeys(ARMS.values(), url)}
             for c in [int(x) for x in a.mixed.split(",") if x]:
-                mixed_table(c, urls, a.seconds, a.rounds, a.turns)
+                mixed_table(c, urls, a.mixed_seconds, a.rounds, a.turns)
+        if PROBES:
+            print(f"\nhost steadiness: a fixed loop between runs took {min(PROBES) * 1e3:.0f} to "
+                  f"{max(PROBES) * 1e3:.0f} ms of CPU ({max(PROBES) / min(PROBES):.2f}x): runs one "
+                  "after another meet different speeds; side by side they meet the same")  # fmt: skip
         r.close()
         if a.profile:
             stop_process(collector)

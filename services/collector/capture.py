@@ -54,6 +54,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -146,7 +147,7 @@ def group_of(record: str) -> tuple[list[str], list[str]]:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return orjson.dumps(obj).decode()
 
 
 def closed_turn(
@@ -154,11 +155,11 @@ def closed_turn(
 ) -> str:
     """The Turn JSON a pending record becomes once closed."""
     _, cache_json, body = record.split("\n", 2)
-    d = json.loads(body)
-    d["prompt_ids"] = ids if ids is not None else json.loads(cache_json)["ids"]
+    d = orjson.loads(body)
+    d["prompt_ids"] = ids if ids is not None else orjson.loads(cache_json)["ids"]
     d["next_state"] = state
     d["closed_by"] = closed_by
-    return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
+    return orjson.dumps(d).decode()
 
 
 class Capture:

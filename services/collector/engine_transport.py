@@ -18,6 +18,11 @@ just that, on asyncio protocols with httptools (the parser uvicorn uses):
 
 The connection is returned to the pool when the response is closed after its body was
 read to the end and the server allows keep-alive; otherwise it is closed.
+
+`exchange` is the same request without httpx around it: raw head and body in, status and
+whole body out. The engine client uses it for its JSON calls (`generate`): httpx's
+request and response models (URL merging, cookies, header objects) cost more CPU per
+completion than this transport itself.
 """
 
 from __future__ import annotations
@@ -192,6 +197,29 @@ class EngineTransport(httpx.AsyncBaseTransport):
         status = conn.head.result()
         return httpx.Response(status, headers=headers, stream=_Body(self, key, conn, timeouts.get("read")),
                               extensions={"http_version": b"HTTP/1.1"})  # fmt: skip
+
+    async def exchange(
+        self, host: str, port: int, head: bytes, body: bytes, connect_timeout: float | None,
+        read_timeout: float | None,
+    ) -> tuple[int, bytes]:
+        """Send one request (`head`: request line and headers, without Content-Length or
+        the blank line) and read its whole response: (status, body). Raises httpx's
+        exceptions, as the transport does."""
+        key = (host, port)
+        data = b"".join([head, b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body])
+        await self._slots.acquire()
+        conn: _Conn | None = None
+        try:
+            conn = await self._send(key, data, {"connect": connect_timeout, "read": read_timeout})
+            chunks = []
+            while (chunk := await conn.next_chunk(read_timeout)) is not None:
+                chunks.append(chunk)
+            return conn.head.result(), b"".join(chunks)
+        finally:
+            if conn is None:
+                self._slots.release()
+            else:
+                self.release(key, conn)
 
     async def _send(self, key: tuple[str, int], data: bytes, timeouts: dict[str, Any]) -> _Conn:
         for attempt in (0, 1):

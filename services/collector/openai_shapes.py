@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
+
 from shared.errors import NextstateError
 
 _TYPES = {
@@ -59,7 +61,8 @@ class ApiError(NextstateError):
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON (orjson: a few times faster than json.dumps on a response body)."""
+    return orjson.dumps(obj)
 
 
 def completion_id() -> str:

@@ -26,8 +26,10 @@ import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 
 from shared.auth import bearer
 from shared.errors import (
@@ -175,6 +177,17 @@ class EngineClient(Protocol):
     async def __aexit__(self, *exc: object) -> None: ...
 
 
+@runtime_checkable
+class DirectTransport(Protocol):
+    """A transport that also sends a raw request and returns (status, whole body), without
+    httpx's request and response models (services/collector/engine_transport.py)."""
+
+    async def exchange(
+        self, host: str, port: int, head: bytes, body: bytes, connect_timeout: float | None,
+        read_timeout: float | None,
+    ) -> tuple[int, bytes]: ...
+
+
 def split_sampling(sampling: SamplingLike) -> tuple[SamplingParams, dict[str, Any]]:
     """Our schema's fields, and the engine-specific extras (e.g. ignore_eos) passed through."""
     if isinstance(sampling, SamplingParams):
@@ -216,6 +229,17 @@ class HTTPEngine:
             transport=transport,
             headers=bearer(api_key),
         )
+        # JSON calls over a DirectTransport skip httpx's models (the collector's hot path).
+        self._direct: DirectTransport | None = None
+        self._host, self._port, self._prefix, self._head = "", 80, b"", b""
+        url = urlsplit(self.base_url)
+        if isinstance(transport, DirectTransport) and url.scheme == "http" and url.hostname:
+            self._direct = transport
+            self._host, self._port = url.hostname, url.port or 80
+            self._prefix = url.path.encode()
+            fixed = {"Host": url.netloc, "Accept": "application/json",
+                     "Content-Type": "application/json", **bearer(api_key)}  # fmt: skip
+            self._head = "".join(f"{k}: {v}\r\n" for k, v in fixed.items()).encode()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -289,10 +313,31 @@ class HTTPEngine:
         return resp
 
     async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        if self._direct is not None and kwargs.keys() <= {"json_body", "timeout"}:
+            return await self._direct_json(method, path, kwargs.get("json_body"), kwargs.get("timeout"))
         resp = await self.request(method, path, **kwargs)
         try:
             return resp.json()
         except ValueError as exc:
+            raise EngineUnavailable(f"{path}: the engine answered with invalid JSON") from exc
+
+    async def _direct_json(self, method: str, path: str, json_body: Any, timeout: float | None) -> Any:
+        """`json` over the DirectTransport: the same errors, no httpx models."""
+        assert self._direct is not None
+        body = b"" if json_body is None else orjson.dumps(json_body)
+        head = b"".join([method.encode(), b" ", self._prefix, path.encode(), b" HTTP/1.1\r\n", self._head])
+        try:
+            status, content = await self._direct.exchange(
+                self._host, self._port, head, body, self.connect_timeout,
+                self.timeout if timeout is None else timeout,
+            )  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise self.transport_error(exc, path) from exc
+        if status >= 300:
+            raise self.status_error(status, content, path)
+        try:
+            return orjson.loads(content)
+        except orjson.JSONDecodeError as exc:
             raise EngineUnavailable(f"{path}: the engine answered with invalid JSON") from exc
 
     async def sse(self, path: str, payload: Any) -> AsyncIterator[Any]:
