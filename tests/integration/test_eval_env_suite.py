@@ -8,6 +8,7 @@ not call the engine named in the jobs records errors, and the suite fails saying
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -78,6 +79,14 @@ def test_the_engine_parses_tool_calls_when_configured(engine: str) -> None:
     assert plain.choices[0].message.tool_calls is None
 
 
+async def registered(bus: Bus) -> None:
+    """/healthz can answer before the rq worker has registered on its queue: wait for that."""
+    deadline = time.monotonic() + 60
+    while not await bus.redis.scard(f"rq:workers:{bus.keys.envs_queue}"):
+        assert time.monotonic() < deadline, "the envs worker never registered on its queue"
+        await asyncio.sleep(0.1)
+
+
 async def test_held_out_episodes_scored_on_the_envs_workers(
     engine: str, env: dict[str, str], settings: Settings,
 ) -> None:
@@ -90,6 +99,7 @@ async def test_held_out_episodes_scored_on_the_envs_workers(
 
         proc = worker(env, [engine])
         try:
+            await registered(bus)
             outcome = await suite(context(settings, bus, engine, 0))
             # 3 samples of a 2-task split: the repeated task counts once.
             assert (outcome.score, outcome.n) == (1.0, 2), outcome
@@ -110,6 +120,7 @@ async def test_held_out_episodes_scored_on_the_envs_workers(
         # A worker that may not send the credential to this engine: every episode errors.
         proc = worker(env, ["http://127.0.0.1:1"])
         try:
+            await registered(bus)
             with pytest.raises(SuiteError, match=r"none of 3 episodes ran.*not an evaluation engine"):
                 await suite(context(settings, bus, engine, 1))
         finally:
