@@ -199,10 +199,8 @@ class ChatTemplate:
         `chat_template` overrides the tokenizer's own. EOS ids from the folder's
         `generation_config.json`, when present, join the tokenizer's EOS.
         """
-        from transformers import AutoTokenizer  # heavy: import only when a service loads a model
-
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path), **tokenizer_kwargs)
+            tokenizer = load_tokenizer(path, **tokenizer_kwargs)
         except (OSError, ValueError) as exc:
             raise SettingsError(f"cannot load a tokenizer from {path}: {exc}") from exc
         if chat_template is not None:
@@ -606,6 +604,49 @@ def _first_difference(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int
     if len(a) != len(b):
         return (a[len(b)] if len(a) > len(b) else b[len(a)])[0]
     return 1 << 62
+
+
+# Model types whose folders AutoTokenizer answers with the plain tokenizers backend when
+# their tokenizer_config.json names it (checked against AutoTokenizer in tests/unit/
+# test_tokenizer_load.py). Not e.g. qwen2: transformers overrides the class it declares.
+PLAIN_BACKEND_MODEL_TYPES = frozenset({"llama"})
+PLAIN_BACKEND_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def load_tokenizer(path: str | Path, **tokenizer_kwargs: Any) -> Any:
+    """What `AutoTokenizer.from_pretrained(path, **tokenizer_kwargs)` returns, in a third
+    of the time where we know its answer without asking it.
+
+    Importing AutoTokenizer imports torch and every model configuration (3 s of a
+    service's start here, more on a busy machine). A local folder whose
+    tokenizer_config.json names the plain tokenizers backend, with no custom code, of a
+    model type AutoTokenizer keeps that class for (`plain_backend_folder`), gets that
+    backend directly; anything else goes through AutoTokenizer.
+    """
+    if not tokenizer_kwargs and plain_backend_folder(Path(path)):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path))
+    from transformers import AutoTokenizer  # heavy: import only when a service loads a model
+
+    return AutoTokenizer.from_pretrained(str(path), **tokenizer_kwargs)
+
+
+def plain_backend_folder(folder: Path) -> bool:
+    """`folder` holds a tokenizer AutoTokenizer loads as the plain tokenizers backend."""
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(tok_cfg, dict) and isinstance(cfg, dict)
+        and (folder / "tokenizer.json").is_file()
+        and not (folder / "tekken.json").exists()  # Mistral's own format: AutoTokenizer may pick it
+        and tok_cfg.get("tokenizer_class") in PLAIN_BACKEND_CLASSES
+        and "auto_map" not in tok_cfg and "auto_map" not in cfg
+        and cfg.get("model_type") in PLAIN_BACKEND_MODEL_TYPES
+    )  # fmt: skip
 
 
 def _generation_config_eos(path: Path) -> list[int]:
