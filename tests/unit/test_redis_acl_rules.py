@@ -8,6 +8,7 @@ import io
 import os
 import re
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -184,9 +185,9 @@ def test_cli_prints_the_script_and_the_aclfile(capsys: pytest.CaptureFixture[str
 
 # -- up: each process its own user ----------------------------------------------------------------
 class Recorder(Supervisor):
-    async def start(self, p: Proc) -> bool:
-        self.procs.append(p)
-        return True
+    async def start_together(self, procs: Sequence[Proc]) -> list[bool]:
+        self.procs.extend(procs)
+        return [True] * len(procs)
 
 
 async def test_up_gives_each_service_its_roles_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

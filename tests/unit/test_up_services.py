@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,14 +20,20 @@ from shared.settings import Settings, load_settings
 
 
 class Recorder(Supervisor):
-    """Takes each Proc as `up` builds it; the engine's first port turns out taken."""
+    """Takes each group of Procs as `up` builds it; the engine's first port turns out taken."""
 
-    async def start(self, p: Proc) -> bool:
-        if p.name == "engine":
-            assert p.rebind is not None
-            p.rebind(p)  # what the supervisor does after a bind failure before ready
-        self.procs.append(p)
-        return True
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.started: list[list[str]] = []
+
+    async def start_together(self, procs: Sequence[Proc]) -> list[bool]:
+        for p in procs:
+            if p.name == "engine":
+                assert p.rebind is not None
+                p.rebind(p)  # what the supervisor does after a bind failure before ready
+        self.procs.extend(procs)
+        self.started.append([p.name for p in procs])
+        return [True] * len(procs)
 
 
 @pytest.fixture(autouse=True)
@@ -36,16 +44,33 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def launched(tmp_path: Path, *argv: str) -> dict[str, Proc]:
+    return (await groups(tmp_path, *argv))[0]
+
+
+async def groups(tmp_path: Path, *argv: str) -> tuple[dict[str, Proc], list[list[str]]]:
     args = build_parser().parse_args(["up", "--home", str(tmp_path), *argv])
-    stack = Stack(args, load_settings(Settings), Recorder(out=io.StringIO()))
+    recorder = Recorder(out=io.StringIO())
+    stack = Stack(args, load_settings(Settings), recorder)
     await stack.services(tmp_path / "model")
-    return {p.name: p for p in stack.sup.procs}
+    return {p.name: p for p in stack.sup.procs}, recorder.started
+
+
+async def test_independent_services_start_together(tmp_path: Path) -> None:
+    """A group starts at once and only after the group before it is ready: first what needs
+    neither the engine nor each other, then what talks to the engine (or the evaluation
+    engine), then the environment workers that talk to the collector."""
+    _, started = await groups(tmp_path / "a", "--judges", "2", "--envs", "2")
+    assert started == [["engine", "buffer", "trainer", "eval-engine"],
+                       ["collector", "judge-0", "judge-1", "watcher", "evaluator"],
+                       ["envs-0", "envs-1"]]  # fmt: skip
+    _, started = await groups(tmp_path / "b", "--no-train")
+    assert started == [["engine", "buffer"], ["collector", "judge-0"]]
 
 
 async def test_consumers_get_stable_names_and_the_serving_path_is_marked(tmp_path: Path) -> None:
     procs = await launched(tmp_path, "--judges", "2")
-    assert list(procs) == ["engine", "collector", "judge-0", "judge-1", "buffer", "trainer", "watcher",
-                           "eval-engine", "evaluator"]
+    assert set(procs) == {"engine", "collector", "judge-0", "judge-1", "buffer", "trainer", "watcher",
+                          "eval-engine", "evaluator"}
     assert procs["evaluator"].env["NEXTSTATE_EVAL__CONSUMER_NAME"] == "evaluator"
     assert procs["judge-0"].env["NEXTSTATE_JUDGE__CONSUMER_NAME"] == "judge-0"
     assert procs["judge-1"].env["NEXTSTATE_JUDGE__CONSUMER_NAME"] == "judge-1"
