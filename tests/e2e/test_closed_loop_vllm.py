@@ -40,15 +40,30 @@ def test_up_with_vllm_trains_serves_and_survives_a_dead_engine(unique: str, tmp_
     try:
         stack.start(timeout=420)
         assert stack.record()["engine_kind"] == "vllm"
-        demo = subprocess.run(
-            [NEXTSTATE, "demo", "--url", stack.collector, "--task", "vowel", "--turns", "2400",
-             "--minutes", "1.5", "--max-tokens", "2", "--concurrency", "4", "--json"],
-            capture_output=True, text=True, timeout=300,
-        )
-        assert demo.returncode == 0, demo.stderr[-2000:]
-        assert json.loads(demo.stdout.strip().splitlines()[-1])["errors"] == 0
         r = stack.redis()
-        loaded = [PolicyLoaded.from_json(f["data"]) for _, f in r.xrange(f"{stack.prefix}:policy")]
+
+        def policies() -> list[PolicyLoaded]:
+            return [PolicyLoaded.from_json(f["data"]) for _, f in r.xrange(f"{stack.prefix}:policy")]
+
+        def served_a_trained_version() -> bool:
+            loaded = policies()
+            recent = r.xrevrange(f"{stack.prefix}:turns", count=100)
+            return len(loaded) >= 2 and any(
+                int(Turn.from_json(f["data"]).weight_version) >= loaded[1].version for _, f in recent)
+
+        # The demo in rounds of 30 s until turns carry a version trained on earlier ones.
+        budget = time.monotonic() + 240
+        while True:
+            demo = subprocess.run(
+                [NEXTSTATE, "demo", "--url", stack.collector, "--task", "vowel", "--turns", "800",
+                 "--minutes", "0.5", "--max-tokens", "2", "--concurrency", "4", "--json"],
+                capture_output=True, text=True, timeout=300,
+            )
+            assert demo.returncode == 0, demo.stderr[-2000:]
+            assert json.loads(demo.stdout.strip().splitlines()[-1])["errors"] == 0
+            if served_a_trained_version() or time.monotonic() > budget:
+                break
+        loaded = policies()
         assert len(loaded) >= 2, f"only {len(loaded)} versions loaded:\n{stack.logs()}"
         turns = [Turn.from_json(f["data"]) for _, f in r.xrange(f"{stack.prefix}:turns")]
         served = {int(t.weight_version) for t in turns}
