@@ -167,6 +167,7 @@ class Supervisor:
     ) -> None:
         self.procs: list[Proc] = []
         self._groups: list[list[Proc]] = []  # started together; stopped together, in reverse
+        self.cancel_wait_s = 5.0  # how long `stop` waits for its own tasks to end
         self.out = out or sys.stdout
         self.backoff = backoff or Backoff()
         self.stable_s = stable_s
@@ -231,11 +232,15 @@ class Supervisor:
         return ok
 
     async def _publish_loop(self) -> None:
-        while True:
+        # Ends on `_stopping`, not only on cancellation: before Python 3.12, a wait_for whose
+        # awaitable completes as the task is cancelled returns instead of raising (its event
+        # set by the last state change, say), and this loop would go on, with `stop` waiting.
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), self.publish_every_s)
             self._dirty.clear()
-            await self._publish()
+            if not self._stopping:
+                await self._publish()
 
     # -- one run of a process ----------------------------------------------------------
     async def _spawn(self, p: Proc) -> None:
@@ -456,13 +461,13 @@ class Supervisor:
         """SIGTERM everything in reverse start order, then SIGKILL what is left; every record
         ends `stopped` (written while Redis still answers)."""
         self._stopping = True
-        for w in self._watchers:
-            w.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
-        if self._publisher is not None:
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
+        # Cancelled, and waited for only so long: a task that missed its cancellation (see
+        # `_publish_loop`) ends by itself once `_stopping` is seen or its process exits below.
+        background = [*self._watchers, *([self._publisher] if self._publisher is not None else [])]
+        for task in background:
+            task.cancel()
+        if background:
+            await asyncio.wait(background, timeout=self.cancel_wait_s)
         publish = self._states is not None
         for group in reversed(self._groups):
             if publish and any(p.state_store for p in group):  # its last word before it goes; then none
