@@ -122,12 +122,14 @@ async def test_a_group_starts_at_once_and_stops_before_what_it_depends_on(tmp_pa
     sup = Supervisor(out=out)
     await sup.start(Proc("a", [sys.executable, "-c", SLEEPER, "a"], ready=said(out, "hello from a")))
     b, c = tmp_path / "b", tmp_path / "c"
-    ok = await sup.start_together([
-        Proc("b", [sys.executable, "-c", waiting_for(b, c)], ready=said(out, "ready: b"), ready_timeout_s=20),
-        Proc("c", [sys.executable, "-c", waiting_for(c, b)], ready=said(out, "ready: c"), ready_timeout_s=20),
-    ])  # fmt: skip
-    assert ok == [True, True] and [p.state for p in sup.procs] == ["ready", "ready", "ready"]
-    await sup.stop(grace_s=5)
+    try:
+        ok = await sup.start_together([
+            Proc("b", [sys.executable, "-c", waiting_for(b, c)], ready=said(out, "ready: b"), ready_timeout_s=20),
+            Proc("c", [sys.executable, "-c", waiting_for(c, b)], ready=said(out, "ready: c"), ready_timeout_s=20),
+        ])  # fmt: skip
+        assert ok == [True, True] and [p.state for p in sup.procs] == ["ready", "ready", "ready"]
+    finally:
+        await sup.stop(grace_s=5)
     stopping = [line.split()[-1] for line in out.getvalue().splitlines() if "| stopping" in line]
     assert sorted(stopping[:2]) == ["b", "c"] and stopping[2:] == ["a"]
     assert {p.state for p in sup.procs} == {"stopped"}
@@ -141,17 +143,19 @@ async def test_a_serving_path_failure_in_a_group_abandons_the_rest(tmp_path: Pat
     never = tmp_path / "never"
     loop = asyncio.get_running_loop()
     started = loop.time()
-    with pytest.raises(ProcessFailed, match="engine exited with 2 before it was ready"):
-        await sup.start_together([
-            Proc("slow", [sys.executable, "-c", waiting_for(tmp_path / "slow", never)],
-                 ready=said(out, "ready: slow"), ready_timeout_s=60),
-            Proc("engine", [sys.executable, "-c", "import sys; sys.exit(2)"], ready=said(out, "never"),
-                 serving_path=True),
-        ])  # fmt: skip
-    assert loop.time() - started < 30  # not the slow one's 60 s
-    slow = sup.procs[0]
-    assert slow.process is not None and slow.process.returncode is None
-    await sup.stop(grace_s=5)
+    try:
+        with pytest.raises(ProcessFailed, match="engine exited with 2 before it was ready"):
+            await sup.start_together([
+                Proc("slow", [sys.executable, "-c", waiting_for(tmp_path / "slow", never)],
+                     ready=said(out, "ready: slow"), ready_timeout_s=60),
+                Proc("engine", [sys.executable, "-c", "import sys; sys.exit(2)"], ready=said(out, "never"),
+                     serving_path=True),
+            ])  # fmt: skip
+        assert loop.time() - started < 30  # not the slow one's 60 s
+        slow = sup.procs[0]
+        assert slow.process is not None and slow.process.returncode is None
+    finally:
+        await sup.stop(grace_s=5)
     assert slow.process.returncode is not None and {p.state for p in sup.procs} == {"stopped"}
 
 
