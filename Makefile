@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQS  := deploy/vllm/requirements.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv vllm chromium test up bench lint clean
+.PHONY: venv vllm chromium test up bench lint docs clean
 
 venv: $(STAMP)
 
@@ -71,9 +71,15 @@ bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check shared services tests bench deploy/slime
+	$(VENV)/bin/ruff check shared services tests bench deploy/slime docs/hooks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py
 
+# The documentation site (mkdocs.yml) into site/: --strict fails on any broken link or anchor.
+# The configuration and streams references are generated from the code as it builds
+# (docs/hooks/reference.py). NO_MKDOCS_2_WARNING: Material's banner about MkDocs' future.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache site
