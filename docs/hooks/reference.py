@@ -167,12 +167,15 @@ def type_name(t: Any) -> str:
 
 
 def default_text(field: Any) -> str:
-    from pydantic import SecretStr
+    from pydantic import BaseModel, SecretStr
     from pydantic_core import PydanticUndefined
 
-    if field.default_factory is not None:
+    factory = field.default_factory
+    if factory is not None:
+        if factory not in (list, dict, set, tuple) and getattr(factory, "__name__", "") != "<lambda>":
+            return f"`{getattr(factory, '__name__', 'computed')}()`"  # a new id, the time: per message
         try:
-            value = field.default_factory()
+            value = factory()
         except TypeError:  # a factory of the validated data
             return "computed"
     elif field.default is PydanticUndefined:
@@ -181,6 +184,8 @@ def default_text(field: Any) -> str:
         value = field.default
     if value is None:
         return "unset"
+    if isinstance(value, BaseModel):
+        return "its fields' defaults"
     if isinstance(value, SecretStr):
         value = value.get_secret_value()
     if isinstance(value, enum.Enum):
@@ -199,7 +204,11 @@ def default_text(field: Any) -> str:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """Text for a table cell: one line, `|` escaped, `<run>` shown (not read as HTML) outside code."""
+    parts = re.split(r"(`[^`]*`)", " ".join(text.split()))
+    out = [p if p.startswith("`") else p.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+           for p in parts]
+    return "".join(out).replace("|", "\\|")
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -329,7 +338,7 @@ def _constants_with_comments(path: Path, pattern: str) -> list[tuple[str, str, s
 def _key_examples() -> list[tuple[str, str]]:
     """(key as built for the default prefix, its docstring) of every `Keys` method and property."""
     _repo_first()
-    from shared.keys import Keys
+    from shared.keys import STREAMS, Keys
 
     keys = Keys()
     out = []
@@ -349,7 +358,8 @@ def _key_examples() -> list[tuple[str, str]]:
             doc = member.__doc__
         else:
             continue
-        if isinstance(value, str):
+        streams = {keys.stream(s) for s in STREAMS}
+        if isinstance(value, str) and value not in streams:  # streams have a table of their own
             out.append((value, inspect.cleandoc(doc or "")))
     return sorted(set(out))
 
