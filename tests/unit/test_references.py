@@ -239,7 +239,11 @@ def dangling(root: Path) -> list[str]:
 
 def test_no_file_cites_a_missing_file_or_anchor() -> None:
     found = dangling(ROOT)
-    assert not found, "dangling references:\n  " + "\n  ".join(found)
+    assert not found, (
+        "dangling references (cite a file or heading that exists — the design is docs/design.md; "
+        "a path that names no file of this repository on purpose goes into EXEMPT here, with why):\n  "
+        + "\n  ".join(found)
+    )
 
 
 # -- the scanner itself finds what it must ------------------------------------------------------
