@@ -248,7 +248,7 @@ def render_rewards(snap: dict[str, Any]) -> list[str]:
             what = f"{r['undecided']:.0%} undecided: ties or no readable vote (alarm at " \
                    f"{float(t['undecided_share'] or 0):.0%})"
         lines.append(f"  REWARD COLLAPSE{age}: {what}: the judge's votes stop discriminating "
-                     "(troubleshooting: 'Judge scores all near one value')")
+                     "(docs/troubleshooting.md#the-judges-scores-are-all-near-one-value)")
     return lines
 
 

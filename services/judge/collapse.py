@@ -198,8 +198,8 @@ class RewardWindow:
                                                   "readable vote)")
             log.warning(
                 "reward collapse: the judge's votes stop discriminating: of the last %d judged turns %s; "
-                "training on these rewards learns nothing (see `nextstate status`, and "
-                "'Judge scores all near one value' in the troubleshooting docs)",
+                "training on these rewards learns nothing (`nextstate status`; what to check: "
+                "docs/troubleshooting.md#the-judges-scores-are-all-near-one-value)",
                 s.turns, what, extra={"reason": reason, **fields})
         for reason in cleared:
             log.info("reward collapse cleared (%s): the judge's votes discriminate again", reason,
