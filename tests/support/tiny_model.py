@@ -140,3 +140,23 @@ def build_tiny_model(
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(str(path))
     return path
+
+
+def build_tiny_classifier(model: str | Path, path: str | Path, seed: int = 0) -> Path:
+    """A 2-label sequence classifier with `model`'s tokenizer and config (a tiny model
+    folder) and a random head blown up so that p spreads between texts: a reward model
+    for NEXTSTATE_JUDGE__TYPE=classifier. Returns `path`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(path)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    config = AutoConfig.from_pretrained(str(model), num_labels=2)
+    config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    torch.manual_seed(seed)
+    classifier = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        classifier.score.weight.mul_(50.0)
+    classifier.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
