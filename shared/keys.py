@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Short stream names, as DESIGN.md and `nextstate tail` use them.
+# Short stream names, as docs/streams.md and `nextstate tail` use them.
 TURNS = "turns"
 SCORED = "scored"
 BATCHES = "batches"
