@@ -3,7 +3,7 @@
 Installed by `make agents` (tests/support/agents.py), unchanged, each in a private HOME with
 its telemetry and update checks off, against the collector in front of our CPU engine on
 the agent model of tests/support/agent_model.py (a 32k context that holds their default
-prompts; trained on the spot to call Codex's and Claude Code's shell tools). Turns are read
+prompts; trained on the spot, ~1 min, to call Codex's and Claude Code's shell tools). Turns are read
 back from the collector's `turns` stream in this session's Redis.
 
 - OpenClaw's default setup (its full system prompt and tools, ~12k tokens here), two
@@ -106,6 +106,7 @@ def _ran(proc: subprocess.CompletedProcess[str], what: str) -> None:
 # -- OpenClaw's default setup, on each API -----------------------------------------------------
 
 
+@pytest.mark.timeout(900)  # two OpenClaw turns: ~20-40 s of its own CPU each, more on a busy host
 @pytest.mark.parametrize("api", ["openai-completions", "openai-responses", "anthropic-messages"])
 def test_openclaw_default_setup_pairs_its_second_message(
     api: str, stack: dict[str, str], turns: Turns, workspace: Path, tmp_path: Path
@@ -164,6 +165,7 @@ def _assert_tool_result_is_next_state(turn: Turn) -> None:
     assert "hello.py" in _text(result) and "notes.txt" in _text(result), result  # ls really ran
 
 
+@pytest.mark.timeout(600)
 def test_codex_exec_runs_a_shell_tool_and_its_output_pairs(
     stack: dict[str, str], turns: Turns, workspace: Path, tmp_path: Path
 ) -> None:
@@ -180,6 +182,7 @@ def test_codex_exec_runs_a_shell_tool_and_its_output_pairs(
     print(f"codex exec: {took:.0f} s")
 
 
+@pytest.mark.timeout(600)
 def test_claude_print_runs_bash_and_its_output_pairs(
     stack: dict[str, str], turns: Turns, workspace: Path, tmp_path: Path
 ) -> None:
@@ -230,6 +233,7 @@ OVERFLOW = {  # API -> (path, body for a prompt of `big`)
 }  # fmt: skip
 
 
+@pytest.mark.timeout(600)
 def test_a_prompt_over_the_context_is_an_overflow_the_agents_recognise(stack: dict[str, str]) -> None:
     big = "hello world " * (CONTEXT * 2 // 3)  # well over the 32,768-token context
     headers = {"authorization": f"Bearer {A.API_KEY}", "x-api-key": A.API_KEY,

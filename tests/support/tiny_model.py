@@ -12,6 +12,7 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% if tools %}"
@@ -112,11 +113,18 @@ def build_tokenizer(
 def build_tiny_model(
     path: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
     special_markers: Sequence[str] = (), vocab_size: int = 512, texts: Sequence[str] = (),
-    max_position_embeddings: int = 2048,
+    max_position_embeddings: int = 2048, sliding_window: int | None = None,
 ) -> Path:  # fmt: skip
-    """Write a tokenizer + random Llama to `path` (an HF folder) and return it."""
+    """Write a tokenizer + random Llama to `path` (an HF folder) and return it; with
+    `sliding_window`, a Mistral (each token attends to the last `sliding_window` ones)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
@@ -125,7 +133,10 @@ def build_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     build_tokenizer(path, vocab_size, seed=seed, special_markers=special_markers, texts=texts)
     tok = AutoTokenizer.from_pretrained(str(path))
-    config = LlamaConfig(
+    kind: Any = LlamaConfig if sliding_window is None else MistralConfig
+    extra: dict[str, Any] = {} if sliding_window is None else {"sliding_window": sliding_window}
+    config = kind(
+        **extra,
         vocab_size=len(tok),
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -139,7 +150,7 @@ def build_tiny_model(
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = (LlamaForCausalLM if sliding_window is None else MistralForCausalLM)(config)
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(str(path))
     return path
