@@ -278,6 +278,26 @@ class Keys:
         reads. Never on `outcomes`: an evaluation episode is not training data."""
         return f"{self.prefix}:eval-episodes:{evaluation}"
 
+    # -- the reward-collapse alarm (the judges' shared window: services/judge/collapse.py) --------
+    @property
+    def reward_window(self) -> str:
+        """List of turn ids, oldest first: the last judged turns whose rewards the collapse
+        alarm looks at, shared by every judge replica (trimmed to the window's size)."""
+        return f"{self.prefix}:reward-window"
+
+    @property
+    def reward_window_turns(self) -> str:
+        """Hash turn id -> `<value>|<undecided 0/1>` of each turn in the window (a turn
+        judged twice, after a redelivery, is counted once)."""
+        return f"{self.prefix}:reward-window-turns"
+
+    @property
+    def reward_alarm(self) -> str:
+        """Hash the judges keep with the window (`nextstate status` reads it): `v:<value>`
+        counts, `undecided`, `turns`, `alarm` (empty, `one-value`, `undecided` or both),
+        `alarm_since`, `updated_at`, and the thresholds the last writer used."""
+        return f"{self.prefix}:reward-alarm"
+
     # -- experiential learning (the judge: services/judge/experience.py) ----------------------
     @property
     def replays(self) -> str:
