@@ -3,8 +3,7 @@
 The `*.jsonl` files beside this one are the exact requests (method, path, headers with keys
 redacted, body) that the real agents sent to a scripted stand-in model, one JSON object a
 line, in the order they came. They are fixtures for the collector's pairing and request
-shapes (tests/unit, bench/pairing.py); the live agents are tested against the real
-collector in tests/e2e/test_agents.py.
+shapes; the end-to-end tests drive the live agents against the real collector.
 
 The stand-in (this file) answers every API in its own shape, streamed or not, the way the
 provider would: `POST …/chat/completions`, `…/responses`, `…/messages` (and
