@@ -30,6 +30,7 @@ from typing import Any
 
 from services.collector.openai_shapes import ApiError
 from services.collector.pairing import prefix_hashes
+from services.collector.responses_request import split_name
 
 INCLUDABLE = frozenset({
     "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
@@ -67,9 +68,13 @@ def conversation_items(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                             "status": "completed", "content": _parts(m["content"], "output_text")})  # fmt: skip
             for j, call in enumerate(m.get("tool_calls") or ()):
                 fn = call.get("function") or {}
-                out.append({"id": f"fc_{tag}_{j}", "type": "function_call", "status": "completed",
-                            "call_id": call.get("id", ""), "name": fn.get("name", ""),
-                            "arguments": fn.get("arguments", "")})  # fmt: skip
+                name, namespace = split_name(str(fn.get("name", "")))
+                item = {"id": f"fc_{tag}_{j}", "type": "function_call", "status": "completed",
+                        "call_id": call.get("id", ""), "name": name,
+                        "arguments": fn.get("arguments", "")}  # fmt: skip
+                if namespace is not None:
+                    item["namespace"] = namespace
+                out.append(item)
         else:
             out.append({"id": f"msg_{tag}", "type": "message", "role": role, "status": "completed",
                         "content": _parts(m.get("content"), "input_text")})  # fmt: skip

@@ -61,3 +61,12 @@ STORED_RESPONSES = Counter(
     "nextstate_collector_stored_responses_total", "Responses API objects written to Redis",
     ["result"],  # stored | failed
 )  # fmt: skip
+DROPPED_TOOLS = Counter(
+    "nextstate_collector_dropped_tools_total",
+    "Built-in tools requests offered that were left out of the prompt (UNSUPPORTED_TOOLS=drop)",
+    ["api", "type"],  # api: responses | messages; type: the tool type (Anthropic's by family)
+)  # fmt: skip
+UNRENDERED_TOOLS = Counter(
+    "nextstate_collector_unrendered_tools_total",
+    "Requests whose tools the chat template left out of the prompt (it renders no tools)",
+)

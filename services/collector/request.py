@@ -56,6 +56,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from services.collector.context_window import Api
 from services.collector.openai_shapes import ApiError
 from services.collector.settings import CollectorConfig
 from shared.chat_messages import ChatTemplateError, normalize_messages, normalize_tools
@@ -204,6 +205,8 @@ class ChatCall:
     logprobs: bool = False  # return choices[].logprobs
     top_logprobs: int = 0  # per token, with logprobs
     n: int = 1  # choices sampled from the prompt (> 1: a group)
+    api: Api = "chat"  # the API it came through: errors are said in its words
+    dropped_tools: tuple[str, ...] = ()  # built-in tools left out of the prompt (their types)
 
 
 # -- schema errors in OpenAI's words --------------------------------------------------------------
@@ -291,13 +294,14 @@ def parse_body(body: bytes) -> ChatRequest:
     if not body.strip():
         raise ApiError(400, "the request body is empty: send a JSON object")
     try:
-        return ChatRequest.model_validate_json(body)
+        req = ChatRequest.model_validate_json(body)
     except ValidationError as exc:
         if any(e.get("type") == "json_invalid" for e in exc.errors()):
             raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors()):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_type") from None
         raise schema_error(exc) from None
+    return req
 
 
 # -- semantics beyond the schema ----------------------------------------------------------------
@@ -497,7 +501,8 @@ def make_call(
     stop: list[str] | None = None, seed: int | None = None, json_schema: str | None = None,
     stream: bool = False, include_usage: bool = False, user: str | None = None,
     session_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0,
-    messages_param: str = "messages", tools_param: str = "tools",
+    messages_param: str = "messages", tools_param: str = "tools", api: Api = "chat",
+    dropped_tools: tuple[str, ...] = (),
 ) -> ChatCall:  # fmt: skip
     """The internal conversation (chat messages and tools, checked by the caller) and the
     sampling and session fields, with the configuration's defaults: one `ChatCall`, whichever
@@ -538,4 +543,6 @@ def make_call(
         session_done=headers.get("x-session-done", "").strip().lower() in TRUE,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        api=api,
+        dropped_tools=dropped_tools,
     )

