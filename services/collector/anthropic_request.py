@@ -47,6 +47,7 @@ from services.collector.request import (
     ChatCall,
     _stop,
     _Strict,
+    check_integers,
     make_call,
     schema_error,
 )
@@ -111,6 +112,7 @@ def _parse(model: type[R], body: bytes) -> R:
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors()):
             raise _bad("the request body must be a JSON object") from None
         raise schema_error(exc) from None
+    check_integers(body, anthropic=True)
     return req
 
 

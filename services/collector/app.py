@@ -6,7 +6,7 @@
 - `POST /v1/messages` (Anthropic Messages; anthropic_api.py; the key also as `x-api-key`) and
   `POST /v1/messages/count_tokens` (its prompt's length in the policy's tokens);
 `GET /v1/models` and `/v1/models/{id}` (OpenAI's model cards with the context length, or
-Anthropic's when the request carries `anthropic-version`).
+Anthropic's when the request carries `anthropic-version`); `GET /openapi.json` (openapi.py).
 
 All three share one answer and capture path (completion.py). Every request to `/v1/*`
 is checked in this order, each failure answered in its API's error shape (OpenAI's;
@@ -43,6 +43,7 @@ from services.collector import metrics as M
 from services.collector.anthropic_api import MessagesApi
 from services.collector.completion import ChatService
 from services.collector.openai_shapes import ApiError, dumps, model_card, model_list
+from services.collector.openapi import document
 from services.collector.request import build_call, parse_body
 from services.collector.response_store import ResponseStore
 from services.collector.responses_api import ResponsesApi
@@ -91,7 +92,7 @@ class Guard:
 
     async def read_body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.max_body:
             raise self._too_large()
         parts: list[bytes] = []
         size = 0
@@ -222,6 +223,11 @@ def build_app(
         routes[path] = ApiRoute("messages", messages.create, anthropic_api.error_bytes, x_api_key=True)
         routes[path + "/count_tokens"] = ApiRoute("count_tokens", messages.count_tokens,
                                                   anthropic_api.error_bytes, x_api_key=True)  # fmt: skip
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        """The three APIs' OpenAPI document (public, as vLLM's and OpenAI's are)."""
+        return Response(dumps(document()), media_type=JSON)
 
     def anthropic_client(request: Request) -> bool:
         """Anthropic's SDK sends `anthropic-version` on every request; OpenAI's never does."""

@@ -14,7 +14,8 @@ chunk) within the timeout -> 504, the engine refused the request -> 400 (its pro
 long: the same overflow refusal; a response_format schema its grammar compiler cannot
 use: `param` "response_format"; its own credentials refused: 502). In a stream, a failure
 after the first token is one `data: {"error": …}` event and the end of the stream (the
-official SDK raises APIError); such a half-finished turn is never captured.
+official SDK raises APIError); such a half-finished turn is never captured. Any other
+failure once the 200 went out (a bug) ends the stream the same way, never silently.
 
 `n > 1` (non-streamed chat completions only): n engine requests of the same prompt ids
 at once, n choices in one response, captured as one group of n turns (`complete_group`).
@@ -310,7 +311,7 @@ class ChatService:
             response_logprobs=result.output_logprobs,
             sampling=ans.sampling or call.sampling,
             weight_version=wv,
-            policy_version=int(wv) if wv.isdigit() else 0,
+            policy_version=int(wv) if wv.isascii() and wv.isdigit() else 0,
             finish_reason=ans.finish,
             completion_id=ans.id,
             closed_by="session_done" if call.session_done else "next_request",
@@ -457,6 +458,26 @@ class ChatService:
         return ChatEvents(completion_id(), self.model_name, version, prep.call.include_usage)
 
     async def _events(
+        self, prep: Prepared, chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
+        version: str, out: EventWriter,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """The stream's events; whatever fails once the 200 went out, the stream ends with
+        an error event in its API's shape, never a silent close."""
+        try:
+            async for event in self._stream_events(prep, chunks, first, version, out):
+                yield event
+        except Exception as exc:
+            log.exception("a streamed answer failed after its headers")
+            await _aclose(chunks)
+            self._count_stream(isinstance(out, ChatEvents), 500)
+            err = ApiError(500, f"internal error: {type(exc).__name__}; retry the request",
+                           code="internal_error", kind="server_error")  # fmt: skip
+            try:
+                yield out.error(err)
+            except Exception:  # the writer itself is broken: OpenAI's shape, as chat sends it
+                yield ChunkWriter.error(err)
+
+    async def _stream_events(
         self, prep: Prepared, chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
         version: str, out: EventWriter,
     ) -> AsyncIterator[bytes]:  # fmt: skip

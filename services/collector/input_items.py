@@ -81,6 +81,12 @@ def conversation_items(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+def decimal(text: str) -> int | None:
+    """`text` as a non-negative integer when it is ASCII digits only (str.isdigit also
+    takes '²' and other digits int() refuses), else None."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
 def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
@@ -88,8 +94,9 @@ def _bad(message: str, param: str) -> ApiError:
 def page_params(query: Mapping[str, str], includes: Sequence[str]) -> tuple[int, str, str | None]:
     """(limit, order, after) from the query string, each checked as OpenAI checks it."""
     raw = query.get("limit", "20")
-    if not raw.strip().isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise _bad(f"Invalid 'limit': {raw!r}; an integer from 1 to {MAX_LIMIT}.", "limit")
+    limit = decimal(raw.strip())
+    if limit is None or not 1 <= limit <= MAX_LIMIT:
+        raise _bad(f"Invalid 'limit': {raw[:40]!r}; an integer from 1 to {MAX_LIMIT}.", "limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise _bad(f"Invalid value for 'order': {order!r}; use 'asc' or 'desc'.", "order")
@@ -97,7 +104,7 @@ def page_params(query: Mapping[str, str], includes: Sequence[str]) -> tuple[int,
         if value not in INCLUDABLE:
             raise _bad(f"Invalid value for 'include': {value!r} is not one of "
                        f"{', '.join(sorted(INCLUDABLE))}.", "include")  # fmt: skip
-    return int(raw), order, query.get("after") or None
+    return limit, order, query.get("after") or None
 
 
 def page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:

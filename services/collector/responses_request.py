@@ -56,6 +56,7 @@ from services.collector.request import (
     NAME_RE,
     ChatCall,
     _Strict,
+    check_integers,
     make_call,
     schema_error,
 )
@@ -122,6 +123,7 @@ def parse_responses(body: bytes) -> ResponsesRequest:
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors()):
             raise _bad("the request body must be a JSON object", None, "invalid_type") from None
         raise schema_error(exc) from None
+    check_integers(body)
     return req
 
 
