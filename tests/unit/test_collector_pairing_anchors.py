@@ -182,7 +182,7 @@ def test_openclaw_tool_loop_with_context_after_each_tool_result(api: str) -> Non
     to = APIS[api]
     p = Pairer()
     u1 = user("Run the unit tests of the parser and tell me what fails.")
-    c1 = call("exec", {"command": "pytest tests/unit/test_parser.py -q"})
+    c1 = call("exec", {"command": "pytest -q -k parser"})
     t1 = tool("1 failed, 41 passed: test_parser.py::test_unicode_escape")
     a2 = reply("One test fails: test_unicode_escape. Want me to look at it?")
     p.request(to([sys(), u1, ctx(1)]), c1, "call")
