@@ -99,7 +99,7 @@ async def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event() 
     cfg = CollectorConfig()
     call = make_call([{"role": "user", "content": "q"}], None, tools_enabled=False, headers={}, cfg=cfg,
                      stream=True, api="responses")  # fmt: skip
-    prep = Prepared(call, [1, 2, 3], PromptCache(text="", ids=[], cuts=[]), call.sampling, None, None, [],
+    prep = Prepared(call, [1, 2, 3], PromptCache(text="", ids=[], cuts=[]), call.sampling, None, None, None,
                     Lookup(), 0.0, "s")  # fmt: skip
     req = parse_responses(b'{"model": "m", "input": "q", "stream": true}')
     writer = BrokenEvents(ResponseShape(req, "m", call.sampling), None, [])
