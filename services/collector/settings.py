@@ -17,6 +17,11 @@
     NEXTSTATE_COLLECTOR__MAX_N=16               the largest `n` (choices per chat completion)
     NEXTSTATE_COLLECTOR__GROUP_UNCHOSEN=keep    keep | judge | drop: the other n - 1 choices
                                                 once a follow-up continues one of them
+    NEXTSTATE_COLLECTOR__PAIRING=anchors        anchors | prefix: how a follow-up finds the
+                                                turn it continues (pairing.py); prefix is
+                                                the exact rule alone
+    NEXTSTATE_COLLECTOR__PAIRING_MIN_ANCHOR_CHARS=32
+                                                an unscoped anchor with less text is not used
 
 Groups (`n > 1`): the n choices are captured as n turns of one group. A follow-up that
 continues choice k closes k's turn with its next state, and at the same moment its
@@ -51,6 +56,9 @@ from shared.toolparsers import tool_parser_names
 
 TurnTypeSetting = Literal["main", "side"]
 GroupUnchosen = Literal["keep", "judge", "drop"]
+OverContext = Literal["clamp", "refuse"]
+UnsupportedTools = Literal["drop", "refuse"]
+PairingRule = Literal["prefix", "anchors"]
 
 
 class CollectorConfig(BaseModel):
@@ -80,6 +88,20 @@ class CollectorConfig(BaseModel):
     default_top_k: int = -1
     default_max_tokens: int | None = Field(None, ge=1)
     max_n: int = Field(16, ge=1, description="the largest n (choices per chat completion)")
+    context_length: int | None = Field(
+        None, ge=2, description="the policy's context window in tokens; a prompt that does not "
+        "fit is refused before the engine is called (400 context_length_exceeded). Default: the "
+        "engine's model info (context_length, vLLM's max_model_len), else the model config "
+        "(max_position_embeddings)")  # fmt: skip
+    max_tokens_over_context: OverContext = Field(
+        "clamp", description="a max_tokens (max_output_tokens) that runs past the context window: "
+        "clamp cuts it to the room left (the answer ends with finish_reason length, as vLLM "
+        "does), refuse answers 400 context_length_exceeded (as OpenAI and SGLang do)")  # fmt: skip
+    unsupported_tools: UnsupportedTools = Field(
+        "drop", description="built-in tools a request offers that the engine cannot run (web "
+        "search, file search, code interpreter, computer use, Anthropic server tools): drop "
+        "leaves them out of the prompt and names them in the X-Nextstate-Dropped-Tools response "
+        "header; refuse answers 400. A tool_choice forcing one is a 400 either way")  # fmt: skip
 
     # -- capture --------------------------------------------------------------------------
     default_turn_type: TurnTypeSetting = "main"
@@ -92,6 +114,10 @@ class CollectorConfig(BaseModel):
     spool_max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
     fallback_max_pending: int = Field(10_000, ge=0, description="pending turns kept in memory in an outage")
     max_pairing_candidates: int = Field(64, ge=1, description="assistant messages checked per request")
+    pairing: PairingRule = Field("anchors", description="prefix: the exact prefix rule only; anchors: "
+                                 "then the anchors of the last response (services/collector/pairing.py)")
+    pairing_min_anchor_chars: int = Field(32, ge=0, description="characters of text and tool calls an "
+                                          "unscoped anchor's messages need (fewer: not used)")
     responses_ttl_s: float = Field(3600.0, gt=0, description="stored Responses API objects live this long")
     group_unchosen: GroupUnchosen = "keep"  # the other choices of a group, once one is continued
 
