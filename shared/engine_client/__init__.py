@@ -5,9 +5,12 @@
         async for chunk in engine.stream(prompt_ids, sampling): ...
         teacher = await engine.score(prompt_ids + result.output_ids, start=len(prompt_ids))
         ok, message = await engine.update_weights("/ckpt/v000042", "42")
+        answer = await engine.load_adapter("43", "/ckpt/v000043")   # a LoRA version, by name
+        ok, message = await serve_version(engine, path, manifest)    # either, as the manifest says
 
 `SGLangClient` speaks SGLang's native API (which our CPU engine implements);
 `VLLMClient` speaks vLLM's OpenAI server (see vllm.py for what it supports).
+`serve_version` (versions.py) puts a committed version into an engine whatever its format.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from shared.engine_client.base import (
+    AdapterAnswer,
     ChunkJoiner,
     EngineClient,
     GenerateChunk,
@@ -29,6 +33,7 @@ from shared.errors import EngineNotSupported
 EngineKind = Literal["sglang", "vllm"]
 
 __all__ = [
+    "AdapterAnswer",
     "ChunkJoiner",
     "EngineClient",
     "EngineKind",
@@ -47,8 +52,9 @@ def make_engine_client(kind: EngineKind | str, url: str, **kwargs: Any) -> SGLan
     """An engine client for `kind` ("sglang" — also our CPU engine — or "vllm") at `url`.
 
     kwargs: timeout, connect_timeout, max_connections, update_timeout, default_max_tokens,
-    api_key (sent as `Authorization: Bearer`: the stack's NEXTSTATE_INTERNAL__TOKEN), and
-    for vLLM `model` (default: the first served model).
+    api_key (sent as `Authorization: Bearer`: the stack's NEXTSTATE_INTERNAL__TOKEN),
+    adapters (name the served LoRA adapter in every request), and for vLLM `model` (default:
+    the first served model).
     """
     if kind == "sglang":
         return SGLangClient(url, **kwargs)

@@ -28,7 +28,7 @@ from shared import checkpoints as ckpt
 from shared.auth import bearer
 from shared.evaljobs import job_id_for, result_key, rq_connection, rq_job_id
 from shared.keys import GROUP_EVALUATOR, Keys
-from shared.schemas import CheckpointPublished, EvalResult
+from shared.schemas import AdapterSpec, CheckpointPublished, EvalResult
 from shared.settings import Settings
 from shared.store import Bucket
 from shared.streams import Bus
@@ -322,3 +322,40 @@ async def test_a_version_pruned_before_its_turn_is_skipped_not_retried(
     assert metric(evaluator, "nextstate_eval_jobs_total", suite=SERVED, outcome="gone") == 1.0
     assert evaluator.stop() == 0, evaluator.logs()
     assert "Traceback" not in evaluator.logs(100_000)
+
+
+async def test_an_adapter_version_is_evaluated_on_the_base_with_its_adapter(
+    s3_settings: Settings, eval_engine: str, start_evaluator: Callable[..., ServiceProcess],
+    models: dict[str, Path], tmp_path: Path,
+) -> None:
+    """A LoRA version (format adapter): the evaluator loads its adapter by name beside the
+    base weights, the suite runs on it, and it is unloaded when the next one comes."""
+    from tests.support.tiny_model import build_tiny_adapter
+
+    run = s3_settings.run
+    start_evaluator([SERVED])
+    layout = ckpt.Layout(format="adapter", adapter=AdapterSpec(rank=4, alpha=8, target_modules=["q_proj"]))
+    try:
+        with Bucket(s3_settings.bucket) as bucket:
+            async with Bus(s3_settings) as bus:
+                for version in (70, 71):
+                    folder = build_tiny_adapter(models["base"], tmp_path / f"adapter-{version}", seed=version)
+                    (folder / "README.md").unlink(missing_ok=True)
+                    ckpt.publish_checkpoint(bucket, run, version, folder, step=version,
+                                            base_model=str(models["base"]), layout=layout)
+                    await bus.publish("checkpoints", CheckpointPublished(
+                        run=run, version=version, step=version, manifest=ckpt.manifest_key(run, version)))
+                    got = await eventually(lambda v=version: _result_of(bus, v), timeout=120,
+                                           what=f"v{version} evaluated")
+                    assert got.score == 1.0 and got.tasks[0].details["weight_version"] == str(version)
+                    async with httpx.AsyncClient(headers=AUTH, timeout=10) as http:
+                        info = (await http.get(f"{eval_engine}/model_info")).json()
+                    assert list(info["lora_adapters"]) == [str(version)]
+    finally:  # the module's other tests load full weights into this engine: no adapter may stay
+        async with httpx.AsyncClient(headers=AUTH, timeout=10) as http:
+            for name in (await http.get(f"{eval_engine}/model_info")).json()["lora_adapters"]:
+                await http.post(f"{eval_engine}/unload_lora_adapter", json={"lora_name": name})
+
+
+async def _result_of(bus: Bus, version: int) -> EvalResult | None:
+    return next((r for r in await results(bus) or [] if r.version == version), None)
