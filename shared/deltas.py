@@ -47,10 +47,11 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
     return data if len(data) == n else data + bytes(n - len(data))  # past the end: zeros
 
 
-def _xor(block: bytes, base: bytes) -> bytes:
-    a = np.frombuffer(block, dtype=np.uint8)
-    b = np.frombuffer(base, dtype=np.uint8)
-    return np.bitwise_xor(a, b).tobytes()
+def _xor(block: bytes, base: bytes) -> memoryview:
+    """`block` XOR `base` (the same length), without a copy of the result."""
+    a = np.frombuffer(block, dtype=np.uint64 if len(block) % 8 == 0 else np.uint8)
+    b = np.frombuffer(base, dtype=a.dtype)
+    return memoryview(np.bitwise_xor(a, b)).cast("B")
 
 
 def encode(new: Path, old: Path, out: Path) -> int:
