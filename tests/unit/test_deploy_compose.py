@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import itertools
-import json
 import os
 import re
 import socket
@@ -27,6 +26,7 @@ import yaml
 from pydantic import BaseModel
 
 from services.ctl import redis_acl
+from services.evaluator.settings import parse_name_list
 from shared.consumer import consumer_name
 from shared.settings import Settings, load_settings
 
@@ -603,7 +603,8 @@ def test_the_evaluator_has_an_evaluation_engine_of_its_own() -> None:
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["device_ids"] == ["1"]
     assert "container_name" not in evaluator
-    assert json.loads(env["NEXTSTATE_EVAL__SUITES"]) == ["demo", "drift"]
+    assert parse_name_list(env["NEXTSTATE_EVAL__SUITES"]) == ["demo", "drift"]
+    assert env["NEXTSTATE_EVAL__SUITES"] == "demo,drift"  # survives a shell's `source .env`
 
 
 # .env.example's recipe for each of `nextstate up --mode`'s modes in compose.
@@ -620,7 +621,7 @@ MODE_RECIPES = {
 @pytest.mark.parametrize("mode", sorted(MODE_RECIPES))
 def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The judge, buffer and trainer that compose starts with the recipe load and get what
-    `nextstate up --mode` gives them (who writes hints and lessons is left to the user)."""
+    `nextstate up --mode` gives them without a judge model."""
     from services.ctl.up import MODES, mode_env
 
     assert set(MODE_RECIPES) == set(MODES)
@@ -630,7 +631,10 @@ def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.Monke
             assert f"{name}={value if name != 'JUDGE_TOPK' else '50'}" in text, name
     env = {**filled_example_env(), **MODE_RECIPES[mode]}
     svcs = compose(env)["services"]
-    want = mode_env(mode, 50, has_judge_model=True)
+    # As `up`: without a judge model (.env.example ships JUDGE_URL empty) hints and lessons
+    # come from the rule judge, never from the engine users talk to.
+    assert env["JUDGE_URL"] == ""
+    want = mode_env(mode, 50, has_judge_model=False)
     for name, module, role in (("judge", "services.judge", "judge"), ("buffer", "services.buffer", "buffer"),
                                ("trainer-cpu", "services.trainer", "trainer")):
         got = {k: str(v) for k, v in svcs[name]["environment"].items()}
