@@ -1,6 +1,6 @@
 """Capture: pair each main-line response with its next state and emit it as a `Turn`.
 
-Per request (DESIGN.md "Pairing a turn with its next state"):
+Per request (docs/design.md#pairing-a-turn-with-its-next-state):
 
 1. `begin` — before the engine call, one Redis round trip: close the pending turn of
    every prefix of the request that ends on an assistant message (see pairing.py) and

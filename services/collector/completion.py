@@ -1,6 +1,6 @@
 """One chat completion, plain or streamed: template -> engine (token ids) -> OpenAI answer.
 
-The hot path (DESIGN.md "Hot paths"): render the chat template; for a main-line turn
+The hot path (docs/design.md#hot-paths): render the chat template; for a main-line turn
 look up the turns this request follows up (one short Redis round trip, capture.py),
 whose PromptCache lets the prompt be tokenized incrementally; call the engine through
 the process's one pooled client with the exact ids; parse the sampled text into an

@@ -58,6 +58,7 @@ class CollectorConfig(BaseModel):
 
     # -- the engine ---------------------------------------------------------------------
     engine_kind: Literal["sglang", "vllm"] = "sglang"
+    # The policy engine (SGLang's native API, or vLLM with ENGINE_KIND=vllm).
     engine_url: str = "http://127.0.0.1:30000"
     engine_timeout_s: float = Field(120.0, gt=0, description="per request / per stream chunk")
     engine_connect_timeout_s: float = Field(5.0, gt=0)

@@ -26,6 +26,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | dead letters: XADD | `P:dead` (write only) |
 | | experiential learning: consume group `judge` on replays (as on turns), publish replays (bounded XADD) | `P:replays`, `P:shed:replays` |
 | | the experience store and held turns: EVALSHA HGET HGETALL HKEYS HDEL HEXISTS HLEN HSET EXISTS EXPIRE LPUSH LTRIM LRANGE ZADD ZSCORE ZREM ZRANGEBYSCORE | `P:experience:session:*`, `P:experience:user:*`, `P:experience:global`, `P:experience:held:*`, `P:experience:waiting` |
+| | the reward-collapse window (one script): EVALSHA HSETNX RPUSH HINCRBY LLEN LPOP HGET HDEL HGETALL HSET | `P:reward-window`, `P:reward-window-turns`, `P:reward-alarm` |
 | buffer | consume group `buffer` (as the judge's) | `P:scored`, `P:done:buffer:*` |
 | | consume group `buffer` on outcomes (as the judge's) | `P:outcomes`, `P:done:buffer:*` |
 | | held episode turns and outcomes: the ledger's commands (below), + HGET HDEL HLEN ZRANGEBYSCORE | `P:episode-sessions`, `P:episode:*:turns`, `P:episode:*:outcome`, `P:episode-group:*` |
@@ -242,6 +243,9 @@ def grants(role: str, k: Keys) -> list[Grant]:
                    "expire", "lpush", "ltrim", "lrange", "zadd", "zscore", "zrem", "zrangebyscore"),
                   _rw(k.experience_session("*"), k.experience_user("*"), k.experience_global,
                       k.experience_held("*"), k.experience_waiting)),
+            # The reward-collapse window every replica shares (services/judge/collapse.py: one script).
+            Grant(("evalsha", "hsetnx", "rpush", "hincrby", "llen", "lpop", "hget", "hdel", "hgetall", "hset"),
+                  _rw(k.reward_window, k.reward_window_turns, k.reward_alarm)),
         ]
     if role == "buffer":
         batched = k.sample_batched("*")

@@ -325,6 +325,27 @@ async def test_judge_keeps_its_experience_store_and_replays(acl: Acl) -> None:
     await denied(judge.redis.lrange(k.batches, 0, 1))
 
 
+async def test_judge_keeps_the_reward_window_and_ctl_reads_it(acl: Acl) -> None:
+    """The reward-collapse window's script as the judge user, `nextstate status` reading it as
+    ctl; the judge cannot delete the window nor touch the buffer's counts through it."""
+    from services.judge.collapse import RewardWindow
+    from services.judge.settings import JudgeConfig
+    from shared.schemas import Vote
+
+    judge, k = acl.bus("judge"), acl.keys
+    window = RewardWindow(judge, JudgeConfig(collapse_window=3, collapse_min_turns=2))
+    for i in range(4):
+        t = turn(f"s{i}")
+        state = await window.add(ScoredTurn(id=t.id, turn=t, reward=1, votes=[Vote(score=1)]))
+    assert state is not None and state.turns == 3 and state.alarm == ("one-value",)
+    snap = await snapshot(acl.bus("ctl"))
+    assert snap["rewards"]["alarm"] == ["one-value"] and snap["rewards"]["turns"] == 3
+    await denied(judge.redis.delete(k.reward_window))
+    await denied(judge.redis.hincrby(k.buffer_counts, "kept", 1))
+    sneak = judge.redis.register_script("return redis.call('HINCRBY', KEYS[1], 'kept', 1)")
+    await denied(sneak(keys=[k.buffer_counts]))
+
+
 # -- buffer -----------------------------------------------------------------------------------------
 async def test_buffer_app_runs_as_the_buffer_user(acl: Acl) -> None:
     """The real buffer app (consumer, intake, ledger scripts, finals, batcher, /get_data)."""
