@@ -1,7 +1,7 @@
 """`nextstate compose init`: a `.env` for `docker compose`, so that plain
 `docker compose build` and `docker compose up -d` work from the project folder.
 
-    nextstate compose init [--offline] [--model PATH] [--profile cpu|gpu|vllm]
+    nextstate compose init [--offline] [--model PATH] [--profile cpu|gpu|vllm|ray]
 
 writes `.env` from `.env.example` (the project folder's: where docker-compose.yml is) with
 - every secret generated (MinIO's users, each Redis ACL user, the internal token, the
@@ -12,8 +12,10 @@ writes `.env` from `.env.example` (the project folder's: where docker-compose.ym
   10001 and read it through a bind mount (a folder this user does not own and others
   cannot read is refused, with the paths to fix);
 - COMPOSE_PROFILES (and ENGINE_KIND=vllm for the vllm profile);
-- with `--offline`, COMPOSE_FILE naming deploy/compose/offline.yml and DOCKER_BUILDKIT=0,
-  after building its base images (deploy/offline/bases.sh) unless `--no-bases`.
+- with `--offline`, COMPOSE_FILE naming deploy/compose/offline.yml, after building its
+  base images (deploy/offline/bases.sh) unless `--no-bases`. Its builds use the classic
+  builder: compose takes DOCKER_BUILDKIT=0 from the environment only (not from .env), so
+  the printed next step says so.
 
 An existing `.env` keeps every value it has (secrets stay what the volumes were created
 with); only what the flags name changes. It prints the collector's URL and your key.
@@ -35,7 +37,7 @@ from services.ctl.models import ensure_default_model, is_model_folder, make_read
 
 OFFLINE_FILE = "deploy/compose/offline.yml"
 BASES = "deploy/offline/bases.sh"
-PROFILES = ("cpu", "gpu", "vllm")
+PROFILES = ("cpu", "gpu", "vllm", "ray")
 _SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "API_KEY")
 _LINE = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
 
@@ -107,7 +109,6 @@ def choose(args: argparse.Namespace, example: dict[str, str], current: dict[str,
         values["COLLECTOR_BIND"] = args.bind
     if args.offline:
         values["COMPOSE_FILE"] = f"docker-compose.yml:{OFFLINE_FILE}"
-        values["DOCKER_BUILDKIT"] = "0"
     return values
 
 
@@ -157,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {env_path} (profile {values['COMPOSE_PROFILES']}, model {values['NEXTSTATE_MODEL_DIR']}"
           f"{', offline images' if args.offline else ''})")
     print(f"collector: http://{host}:{values.get('COLLECTOR_PORT', '8000')}/v1  (OPENAI_API_KEY={user_key})")
-    print("next: docker compose build && docker compose up -d   "
-          "# then: docker compose run --rm ctl status")
+    build = "DOCKER_BUILDKIT=0 docker compose build" if values.get("COMPOSE_FILE", "").endswith(OFFLINE_FILE) \
+        else "docker compose build"
+    print(f"next: {build} && docker compose up -d   # then: docker compose run --rm ctl status")
     return 0

@@ -52,7 +52,7 @@ def test_no_dockerfile_asks_a_registry_for_its_frontend() -> None:
 
 def test_our_dockerfiles_take_the_base_and_the_torch_wheel_as_arguments() -> None:
     for name in ("light", "torch", "vllm"):
-        text = (REPO / f"deploy/Dockerfile.{name}").read_text()
+        text = (REPO / "deploy" / f"Dockerfile.{name}").read_text()
         assert "ARG PYTHON_IMAGE=python:3.11-slim" in text, name
         froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
         assert all(f.startswith("${") for f in froms), (name, froms)  # no base hard-coded
@@ -82,7 +82,7 @@ def test_the_torch_image_creates_the_folders_its_volumes_mount_owned_by_its_user
 
 def test_code_is_copied_after_the_dependencies_so_a_code_change_reuses_them() -> None:
     for name in ("light", "torch"):
-        text = (REPO / f"deploy/Dockerfile.{name}").read_text()
+        text = (REPO / "deploy" / f"Dockerfile.{name}").read_text()
         install = text.index('pip install ".[')
         assert text.index("COPY pyproject.toml") < install < text.index("COPY shared")
         assert "COPY README.md" not in text  # README edits must not reinstall everything
@@ -232,6 +232,7 @@ def test_compose_init_writes_an_env_compose_accepts(tmp_path: Path, capsys: pyte
     render_compose(env)  # every required variable is set
     out = capsys.readouterr().out
     assert f"http://127.0.0.1:18123/v1  (OPENAI_API_KEY={keys[0]})" in out
+    assert "DOCKER_BUILDKIT=0 docker compose build" in out  # compose takes it from the environment only
 
     # again, with another profile: the secrets stay (the volumes were made with them)
     assert init(root, "--profile", "vllm") == 0
