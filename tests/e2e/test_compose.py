@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -142,7 +143,7 @@ async def test_the_loop_in_compose_survives_crashes_and_resumes_after_down_up(st
         await probe.stop()
         assert line.strip(), "ctl tail turns -f printed nothing for a new turn"
     finally:
-        tail.terminate()
+        tail.send_signal(signal.SIGINT)  # Ctrl-C, as in the operator's terminal: stops the container too
         await asyncio.to_thread(tail.wait, 30)
         if tail.stdout is not None:
             tail.stdout.close()
