@@ -104,6 +104,11 @@ class Keys:
         (kept after the pending turn closes, so a branch from it stays in its session)."""
         return f"{self.prefix}:lineage:{prefix_hash}"
 
+    def pairing_anchor(self, anchor: str) -> str:
+        """The pending hash of the one turn that registered this pairing anchor, or "*" once
+        several did (services/collector/pairing.py), with the lineage's TTL."""
+        return f"{self.prefix}:anchor:{anchor}"
+
     def stored_response(self, response_id: str) -> str:
         """A Responses API object kept for `GET /v1/responses/{id}` and `previous_response_id`
         (JSON: the response and its conversation), with a TTL."""

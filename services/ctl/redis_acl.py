@@ -17,8 +17,8 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | role | may do | on keys |
 | --- | --- | --- |
 | collector | publish turns (bounded-XADD script: EVALSHA XLEN XADD INCR) | `P:turns`, `P:shed:turns` |
-| | close-and-emit script: EVALSHA (inside it, GET DEL ZREM and the bounded XADD, as granted above and below) | `P:turns`, `P:shed:turns`, `P:pending:*`, `P:pending-deadlines` |
-| | pending turns: GET SET GETDEL DEL ZADD ZREM ZRANGEBYSCORE | `P:pending:*`, `P:pending-deadlines`, `P:lineage:*` |
+| | close-and-emit and anchor scripts: EVALSHA (inside them, GET SET DEL EXISTS ZREM and the bounded XADD, as granted above and below) | `P:turns`, `P:shed:turns`, `P:pending:*`, `P:pending-deadlines`, `P:anchor:*` |
+| | pending turns: GET SET GETDEL DEL EXISTS ZADD ZREM ZRANGEBYSCORE | `P:pending:*`, `P:pending-deadlines`, `P:lineage:*`, `P:anchor:*` |
 | | stored Responses objects (`store`, `previous_response_id`): GET SET DEL | `P:response:*` |
 | judge | consume group `judge`: XGROUP CREATE, XREADGROUP, XACK, XCLAIM, XPENDING, XINFO GROUPS, XLEN, XRANGE, XREVRANGE, XTRIM, EVALSHA (trim) | `P:turns` |
 | | dedupe marks: EXISTS SET | `P:done:judge:*` |
@@ -221,13 +221,13 @@ def rq_worker(k: Keys, queue: str | None = None, job: str = RQ_EVAL_JOB) -> Gran
 def grants(role: str, k: Keys) -> list[Grant]:
     """What `role` may do on the keys of `k` (selectors; `ctl`, `keda` have none)."""
     if role == "collector":
-        pending = (k.pending_turn("*"), k.pending_deadlines)
+        pending = (k.pending_turn("*"), k.pending_deadlines, k.pairing_anchor("*"))
         return [
             _publish(k, K.TURNS),
             # Closing a pending turn emits it in one script (collector/pending_store.py): the
             # script's keys in one selector; each command inside is checked by the others.
             Grant(("evalsha",), _rw(k.turns, k.shed(k.turns), *pending)),
-            Grant(("get", "set", "getdel", "del", "zadd", "zrem", "zrangebyscore"),
+            Grant(("get", "set", "getdel", "del", "exists", "zadd", "zrem", "zrangebyscore"),
                   _rw(*pending, k.turn_lineage("*"))),
             Grant(("get", "set", "del"), _rw(k.stored_response("*"))),
         ]
