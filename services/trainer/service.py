@@ -131,6 +131,10 @@ class TrainerService:
         self.static_dir = static_dir
         self.step = resume.step
         self.version = resume.version  # newest version snapshotted (what the weights build on)
+        # This lineage's versions since the start or the last rebase (numbers jump at a
+        # rebase: staleness counts versions trained, not the difference of their numbers).
+        self.origin = resume.version
+        self.since: list[int] = []
         self.committed_version = resume.version
         self.next_version = resume.next_version
         self.lineage = RecentIds(resume.consumed, self.cfg.remember_batches)  # trained, this lineage
@@ -207,6 +211,8 @@ class TrainerService:
             batch = held[0]
             fut = self.inflight[batch.id]
             samples = self._own_lineage(batch, fut)
+            if samples:
+                samples = self._fresh(batch, samples, fut)
             if not samples:
                 continue
             try:
@@ -232,6 +238,7 @@ class TrainerService:
                 "step": self.step, "batch_id": batch.id, "samples": len(samples),
                 "loss": round(metrics.get("loss", 0.0), 6), "grad_norm": round(metrics["grad_norm"], 4),
                 "clip_frac": round(metrics.get("clip_frac", 0.0), 4),
+                "staleness_max": metrics.get("staleness_max"),
                 "tokens_per_s": round(metrics["tokens_per_s"], 1)})
             if len(self.window) >= self.cfg.checkpoint_every and self.follow.pending is None:
                 await self.snapshot()
@@ -264,6 +271,37 @@ class TrainerService:
                 fut.set_result(None)
         return samples
 
+    def _fresh(self, batch: TrainBatch, samples: list[TrainSample], fut: asyncio.Future[None]) -> list[TrainSample]:
+        """The samples at most MAX_STALENESS versions behind the weights about to train on
+        them. Off-policy beyond that, the clipped ratio keeps little of their signal and
+        training on them only drifts: what a trainer behind its traffic would train after
+        the traffic stopped. A batch left with none is acked untrained (counted, logged)."""
+        limit = self.cfg.max_staleness
+        fresh = [s for s in samples if self.behind(s.policy_version) <= limit]
+        dropped = len(samples) - len(fresh)
+        if dropped:
+            M.STALE_SAMPLES.inc(dropped)
+            oldest = min(s.policy_version for s in samples)
+            extra = {"batch_id": batch.id, "dropped": dropped, "kept": len(fresh), "version": self.version,
+                     "oldest_policy_version": oldest, "max_staleness": limit}
+            if fresh:
+                log.info("dropped stale samples", extra=extra)
+            else:
+                M.STALE_BATCHES.inc()
+                log.warning("batch acked without training: every sample is more than %s versions behind v%s "
+                            "(oldest from v%s)", limit, self.version, oldest, extra=extra)
+                self.inflight.pop(batch.id, None)
+                fut.set_result(None)
+        return fresh
+
+    def behind(self, policy_version: int) -> int:
+        """Versions trained on this lineage after `policy_version`: those since the start or
+        the last rebase above it, plus, for a version from before that origin, the
+        difference of the numbers (exact unless a rebase lies between, as after a restart
+        that followed a rollback: then the jump in numbers counts too)."""
+        after = sum(1 for v in self.since if v > policy_version)
+        return after + max(0, self.origin - policy_version)
+
     def _hand_back(self, batch: TrainBatch | None) -> None:
         """An untrained batch stays pending in the stream for the next start."""
         if batch is not None:
@@ -290,6 +328,7 @@ class TrainerService:
         )  # fmt: skip
         M.SNAPSHOT_SECONDS.observe(time.perf_counter() - started)
         self.version = version
+        self.since.append(version)
         self.window, self.window_metrics = [], []
         M.PENDING_UPLOADS.inc()
         self.unsettled += 1
@@ -408,6 +447,7 @@ class TrainerService:
         finally:
             shutil.rmtree(self.work_dir / "rebase", ignore_errors=True)
         self.step, self.version, self.committed_version = point.step, point.version, point.version
+        self.origin, self.since = point.version, []
         self.next_version = max(self.next_version, point.next_version)
         self.lineage = RecentIds(point.consumed, self.cfg.remember_batches)
         self.committed = RecentIds(point.consumed, self.cfg.remember_batches)
