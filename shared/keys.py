@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Short stream names, as DESIGN.md and `nextstate tail` use them.
+# Short stream names, as docs/streams.md and `nextstate tail` use them.
 TURNS = "turns"
 SCORED = "scored"
 BATCHES = "batches"
@@ -103,6 +103,11 @@ class Keys:
         """Session id and turn index of the response that ends this conversation prefix
         (kept after the pending turn closes, so a branch from it stays in its session)."""
         return f"{self.prefix}:lineage:{prefix_hash}"
+
+    def pairing_anchor(self, anchor: str) -> str:
+        """The pending hash of the one turn that registered this pairing anchor, or "*" once
+        several did (services/collector/pairing.py), with the lineage's TTL."""
+        return f"{self.prefix}:anchor:{anchor}"
 
     def stored_response(self, response_id: str) -> str:
         """A Responses API object kept for `GET /v1/responses/{id}` and `previous_response_id`
@@ -277,6 +282,26 @@ class Keys:
         (shared/envjobs.py `enqueue_eval_episodes`): the envs workers write, the evaluator
         reads. Never on `outcomes`: an evaluation episode is not training data."""
         return f"{self.prefix}:eval-episodes:{evaluation}"
+
+    # -- the reward-collapse alarm (the judges' shared window: services/judge/collapse.py) --------
+    @property
+    def reward_window(self) -> str:
+        """List of turn ids, oldest first: the last judged turns whose rewards the collapse
+        alarm looks at, shared by every judge replica (trimmed to the window's size)."""
+        return f"{self.prefix}:reward-window"
+
+    @property
+    def reward_window_turns(self) -> str:
+        """Hash turn id -> `<value>|<undecided 0/1>` of each turn in the window (a turn
+        judged twice, after a redelivery, is counted once)."""
+        return f"{self.prefix}:reward-window-turns"
+
+    @property
+    def reward_alarm(self) -> str:
+        """Hash the judges keep with the window (`nextstate status` reads it): `v:<value>`
+        counts, `undecided`, `turns`, `alarm` (empty, `one-value`, `undecided` or both),
+        `alarm_since`, `updated_at`, and the thresholds the last writer used."""
+        return f"{self.prefix}:reward-alarm"
 
     # -- experiential learning (the judge: services/judge/experience.py) ----------------------
     @property

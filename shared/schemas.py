@@ -1,4 +1,4 @@
-"""One pydantic model per message on the wire (DESIGN.md, "Streams and keys").
+"""One pydantic model per message on the wire (docs/design.md#messages).
 
 Each message carries `type`, `schema_version`, an idempotency `id` and `created_at`
 (unix seconds). Messages are JSON in the `data` field of a stream entry; `parse_message`

@@ -35,10 +35,12 @@ _TOKEN = re.compile(r"[!-~]{16,}")
 
 
 class RedisSettings(BaseModel):
+    # Redis: streams, pending turns, counters (prod: with the service's ACL user's password).
     url: str = "redis://127.0.0.1:6379/0"
+    # The prefix of every stream and key (shared/keys.py).
     prefix: str = "nextstate"
-    connect_timeout: float = Field(2.0, gt=0)
-    socket_timeout: float = Field(5.0, gt=0)
+    connect_timeout: float = Field(2.0, gt=0, description="seconds to connect")
+    socket_timeout: float = Field(5.0, gt=0, description="seconds a command may take")
     # Commands beyond this many connections wait (up to socket_timeout) for a free one.
     max_connections: int = Field(128, ge=2)
 
@@ -64,23 +66,28 @@ class StreamSettings(BaseModel):
     max_deliveries: int = Field(5, ge=1, description="then the entry goes to the dead stream")
     claim_idle_ms: int = Field(30_000, ge=100, description="reclaim others' entries idle this long")
     retry_delay_ms: int = Field(1_000, ge=0, description="retry a failed entry after this long")
-    block_ms: int = Field(1_000, ge=1)
-    read_count: int = Field(64, ge=1)
+    block_ms: int = Field(1_000, ge=1, description="longest wait of one read for new entries")
+    read_count: int = Field(64, ge=1, description="entries asked for per read")
     # After a short read, wait this long before the next one so entries arrive in
     # batches: far fewer round trips per message under load, a few ms of latency.
     linger_ms: int = Field(10, ge=0)
-    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=60)
-    shutdown_grace_s: float = Field(10.0, ge=0)
+    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="how long a handled message id is remembered")
+    shutdown_grace_s: float = Field(
+        10.0, ge=0, description="on SIGTERM, in-flight handlers may finish this long; the rest is handed back")
 
 
 class BucketSettings(BaseModel):
+    # The S3 server's host:port (MinIO, SeaweedFS, AWS).
     endpoint: str = "127.0.0.1:9000"
+    # The service's S3 credentials (the development default is refused when NEXTSTATE_ENV=prod).
     access_key: str = DEV_BUCKET_KEYS[0]
     secret_key: SecretStr = SecretStr(DEV_BUCKET_KEYS[1])
     name: str = "nextstate"
+    # https
     secure: bool = False
+    # Set, clients never ask the bucket for its location (which the narrow roles may not).
     region: str | None = None
-    timeout: float = Field(30.0, gt=0)
+    timeout: float = Field(30.0, gt=0, description="seconds per S3 call")
 
     @field_validator("endpoint")
     @classmethod
@@ -99,6 +106,7 @@ class BucketSettings(BaseModel):
 
 class LogSettings(BaseModel):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # json: one JSON object per line, for log pipelines.
     format: Literal["text", "json"] = "text"
     # Conversation text never appears in logs unless this is set (and then only at DEBUG).
     log_content: bool = False
@@ -119,6 +127,7 @@ class InternalSettings(BaseModel):
     """
 
     token: SecretStr | None = None
+    # /metrics answers without the token (for scrapers that cannot send one).
     metrics_public: bool = False
 
     @field_validator("token", mode="before")
@@ -151,7 +160,10 @@ class Settings(BaseSettings):
         validate_default=True,
     )
 
+    # prod refuses development defaults: bucket keys, a Redis URL without a password, no
+    # internal token, a collector without API keys.
     env: Literal["dev", "test", "prod"] = "dev"
+    # The run's name: its versions live under policies/<run>/; one base model per run.
     run: str = "default"
     redis: RedisSettings = RedisSettings()
     streams: StreamSettings = StreamSettings()

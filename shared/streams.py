@@ -1,6 +1,6 @@
 """The Redis-streams data plane: connect, publish with a bound, dead-letter, trim, inspect.
 
-Services talk only through these streams (DESIGN.md). A message is one pydantic model
+Services talk only through these streams (docs/design.md#stream-contracts). A message is one pydantic model
 serialized as JSON in the entry's single `data` field. Publishing is bounded: when a
 stream already holds `maxlen` entries the new one is *shed* — refused and counted (a
 Prometheus counter and a Redis counter that `nextstate status` shows) — so a producer

@@ -1,6 +1,6 @@
 """Which scored turns become training samples, and what a sample holds: pure functions.
 
-Inclusion (DESIGN.md "Rewards and advantages"):
+Inclusion (docs/design.md#rewards-and-advantages):
 
 - a side turn, or a turn without response tokens, is never a sample;
 - a turn without a next state (`judged=False`) is excluded;

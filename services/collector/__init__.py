@@ -3,5 +3,5 @@
 Agents point their OpenAI client here. Each request is rendered with the model's chat
 template and sent to the engine as token ids; the answer goes back in OpenAI's shape,
 and every main-line turn is emitted to the `turns` stream once its next state is known
-(DESIGN.md "Pairing a turn with its next state"). See README: "The collector".
+(docs/design.md#pairing-a-turn-with-its-next-state). Using it: docs/agents.md.
 """

@@ -1,6 +1,6 @@
 """One chat completion, plain or streamed: template -> engine (token ids) -> OpenAI answer.
 
-The hot path (DESIGN.md "Hot paths"): render the chat template; for a main-line turn
+The hot path (docs/design.md#hot-paths): render the chat template; for a main-line turn
 look up the turns this request follows up (one short Redis round trip, capture.py),
 whose PromptCache lets the prompt be tokenized incrementally; call the engine through
 the process's one pooled client with the exact ids; parse the sampled text into an
@@ -47,7 +47,14 @@ from services.collector.openai_shapes import (
     dumps,
     logprob_content,
 )
-from services.collector.pairing import candidates, prefix_hashes, response_hash
+from services.collector.pairing import (
+    Conversation,
+    analyze,
+    candidates,
+    offer,
+    response_hash,
+    stored_anchors,
+)
 from services.collector.pending_store import KeyValue
 from services.collector.request import ChatCall
 from services.collector.settings import CollectorConfig
@@ -122,7 +129,7 @@ class Prepared:
     sampling: SamplingLike  # the call's, asking to keep special tokens when `drop` is set
     drop: SpecialText | None  # special tokens' text to remove from the output
     reasoning_open: bool | None
-    hashes: list[bytes]
+    conv: Conversation | None  # a main-line turn's messages as pairing sees them
     lookup: Lookup
     requested_at: float
     session_id: str
@@ -223,12 +230,13 @@ class ChatService:
             prompt = self.template.render_prompt(call.messages, call.tools)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        hashes: list[bytes] = []
+        conv: Conversation | None = None
         lookup = Lookup()
         if call.turn_type == "main":
-            hashes = prefix_hashes(call.messages)
-            cands = candidates(call.messages, hashes, self.cfg.max_pairing_candidates)
-            lookup = await self.capture.begin(call.raw_messages, cands)
+            conv = analyze(call.messages, call.session_hint or call.user)
+            cands = candidates(call.messages, conv.hashes, self.cfg.max_pairing_candidates)
+            tolerant = offer(conv, self.cfg.pairing_min_anchor_chars) if self.cfg.pairing == "anchors" else None
+            lookup = await self.capture.begin(call.raw_messages, cands, tolerant)
         try:
             ids, cache = self.template.encode_rendering(prompt, lookup.cache)
         except ChatTemplateError as exc:
@@ -242,7 +250,7 @@ class ChatService:
         drop = self.template.output_special_text(markers)
         sampling: SamplingLike = call.sampling if drop is None else {
             **call.sampling.model_dump(exclude_none=True), "skip_special_tokens": False}  # fmt: skip
-        return Prepared(call, ids, cache, sampling, drop, opens, hashes, lookup, requested_at, session)
+        return Prepared(call, ids, cache, sampling, drop, opens, conv, lookup, requested_at, session)
 
     def prompt_tokens(self, call: ChatCall) -> int:
         """The length of `call`'s prompt: the ids a captured turn of it would hold (the
@@ -325,12 +333,20 @@ class ChatService:
         Responses object) in the same Redis round trip when there is one: both are done
         before the answer goes out."""
         written = False
-        if ans.prep.call.turn_type == "main":
-            key = response_hash(ans.prep.hashes, ans.message)
+        conv = ans.prep.conv
+        if conv is not None:  # a main-line turn
+            key = response_hash(conv.hashes, ans.message)
             written = await self.capture.finish(self._turn(ans), ans.prep.cache, key,
-                                                None if extra is None else extra.item)  # fmt: skip
+                                                None if extra is None else extra.item,
+                                                self._anchors(conv, ans.message))  # fmt: skip
         if extra is not None:
             await extra.done(written)
+
+    def _anchors(self, conv: Conversation, message: dict[str, Any]) -> list[str]:
+        """The anchors a pending turn of `message` registers (none under the prefix rule)."""
+        if self.cfg.pairing != "anchors":
+            return []
+        return stored_anchors(conv, message, self.cfg.pairing_min_anchor_chars)
 
     def observe(self, ans: Answer, t0: float) -> None:
         total = time.perf_counter() - t0
@@ -396,10 +412,11 @@ class ChatService:
             cid, int(time.time()), self.model_name, choices, first.prompt_tokens,
             sum(a.completion_tokens for a in answers), f"nextstate-{first.version}",
         )  # fmt: skip
-        if call.turn_type == "main":
+        if prep.conv is not None:  # a main-line turn
             turns = [self._turn(a, (cid, i, call.n)) for i, a in enumerate(answers)]
-            keys = [response_hash(prep.hashes, a.message) for a in answers]
-            await self.capture.finish_group(turns, prep.cache, keys)
+            keys = [response_hash(prep.conv.hashes, a.message) for a in answers]
+            anchors = [self._anchors(prep.conv, a.message) for a in answers]
+            await self.capture.finish_group(turns, prep.cache, keys, anchors)
         M.GROUP_CHOICES.inc(call.n)
         out = dumps(body)
         self.observe(first, t0)

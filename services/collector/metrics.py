@@ -27,7 +27,9 @@ TURNS = Counter(
 )  # fmt: skip
 PENDING = Counter(
     "nextstate_collector_pending_total", "Pending-turn events",
-    ["event"],  # stored | closed | expired | unchosen_dropped (a group sibling, GROUP_UNCHOSEN=drop)
+    # stored | closed | expired | unchosen_dropped (a group sibling, GROUP_UNCHOSEN=drop) |
+    # same_conversation (stored unpairable: another session's turn has its very conversation)
+    ["event"],
 )  # fmt: skip
 GROUP_CHOICES = Counter(
     "nextstate_collector_group_choices_total", "Choices answered in completions with n > 1"
@@ -60,4 +62,13 @@ API_REQUESTS = Counter(
 STORED_RESPONSES = Counter(
     "nextstate_collector_stored_responses_total", "Responses API objects written to Redis",
     ["result"],  # stored | failed
+)  # fmt: skip
+PAIRED = Counter(
+    "nextstate_collector_paired_total", "Pending turns closed by a follow-up, by the rule that paired them",
+    ["rule"],  # prefix | history | exchange | answer | previous (services/collector/pairing.py)
+)  # fmt: skip
+PAIRING_REFUSED = Counter(
+    "nextstate_collector_pairing_refused_total",
+    "Follow-ups paired with none because the turn they continue could be several sessions'",
+    ["reason"],  # ambiguous (an anchor several turns registered) | same_conversation
 )  # fmt: skip

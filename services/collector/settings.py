@@ -16,6 +16,11 @@
     NEXTSTATE_COLLECTOR__MAX_N=16               the largest `n` (choices per chat completion)
     NEXTSTATE_COLLECTOR__GROUP_UNCHOSEN=keep    keep | judge | drop: the other n - 1 choices
                                                 once a follow-up continues one of them
+    NEXTSTATE_COLLECTOR__PAIRING=anchors        anchors | prefix: how a follow-up finds the
+                                                turn it continues (pairing.py); prefix is
+                                                the exact rule alone
+    NEXTSTATE_COLLECTOR__PAIRING_MIN_ANCHOR_CHARS=32
+                                                an unscoped anchor with less text is not used
 
 Groups (`n > 1`): the n choices are captured as n turns of one group. A follow-up that
 continues choice k closes k's turn with its next state, and at the same moment its
@@ -50,6 +55,7 @@ from shared.toolparsers import tool_parser_names
 
 TurnTypeSetting = Literal["main", "side"]
 GroupUnchosen = Literal["keep", "judge", "drop"]
+PairingRule = Literal["prefix", "anchors"]
 
 
 class CollectorConfig(BaseModel):
@@ -58,6 +64,7 @@ class CollectorConfig(BaseModel):
 
     # -- the engine ---------------------------------------------------------------------
     engine_kind: Literal["sglang", "vllm"] = "sglang"
+    # The policy engine (SGLang's native API, or vLLM with ENGINE_KIND=vllm).
     engine_url: str = "http://127.0.0.1:30000"
     engine_timeout_s: float = Field(120.0, gt=0, description="per request / per stream chunk")
     engine_connect_timeout_s: float = Field(5.0, gt=0)
@@ -89,6 +96,10 @@ class CollectorConfig(BaseModel):
     spool_max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
     fallback_max_pending: int = Field(10_000, ge=0, description="pending turns kept in memory in an outage")
     max_pairing_candidates: int = Field(64, ge=1, description="assistant messages checked per request")
+    pairing: PairingRule = Field("anchors", description="prefix: the exact prefix rule only; anchors: "
+                                 "then the anchors of the last response (services/collector/pairing.py)")
+    pairing_min_anchor_chars: int = Field(32, ge=0, description="characters of text and tool calls an "
+                                          "unscoped anchor's messages need (fewer: not used)")
     responses_ttl_s: float = Field(3600.0, gt=0, description="stored Responses API objects live this long")
     group_unchosen: GroupUnchosen = "keep"  # the other choices of a group, once one is continued
 

@@ -17,8 +17,8 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | role | may do | on keys |
 | --- | --- | --- |
 | collector | publish turns (bounded-XADD script: EVALSHA XLEN XADD INCR) | `P:turns`, `P:shed:turns` |
-| | close-and-emit script: EVALSHA (inside it, GET DEL ZREM and the bounded XADD, as granted above and below) | `P:turns`, `P:shed:turns`, `P:pending:*`, `P:pending-deadlines` |
-| | pending turns: GET SET GETDEL DEL ZADD ZREM ZRANGEBYSCORE | `P:pending:*`, `P:pending-deadlines`, `P:lineage:*` |
+| | close-and-emit and anchor scripts: EVALSHA (inside them, GET SET DEL EXISTS ZREM and the bounded XADD, as granted above and below) | `P:turns`, `P:shed:turns`, `P:pending:*`, `P:pending-deadlines`, `P:anchor:*` |
+| | pending turns: GET SET GETDEL DEL EXISTS ZADD ZREM ZRANGEBYSCORE | `P:pending:*`, `P:pending-deadlines`, `P:lineage:*`, `P:anchor:*` |
 | | stored Responses objects (`store`, `previous_response_id`): GET SET DEL | `P:response:*` |
 | judge | consume group `judge`: XGROUP CREATE, XREADGROUP, XACK, XCLAIM, XPENDING, XINFO GROUPS, XLEN, XRANGE, XREVRANGE, XTRIM, EVALSHA (trim) | `P:turns` |
 | | dedupe marks: EXISTS SET | `P:done:judge:*` |
@@ -26,6 +26,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | dead letters: XADD | `P:dead` (write only) |
 | | experiential learning: consume group `judge` on replays (as on turns), publish replays (bounded XADD) | `P:replays`, `P:shed:replays` |
 | | the experience store and held turns: EVALSHA HGET HGETALL HKEYS HDEL HEXISTS HLEN HSET EXISTS EXPIRE LPUSH LTRIM LRANGE ZADD ZSCORE ZREM ZRANGEBYSCORE | `P:experience:session:*`, `P:experience:user:*`, `P:experience:global`, `P:experience:held:*`, `P:experience:waiting` |
+| | the reward-collapse window (one script): EVALSHA HSETNX RPUSH HINCRBY LLEN LPOP HGET HDEL HGETALL HSET | `P:reward-window`, `P:reward-window-turns`, `P:reward-alarm` |
 | buffer | consume group `buffer` (as the judge's) | `P:scored`, `P:done:buffer:*` |
 | | consume group `buffer` on outcomes (as the judge's) | `P:outcomes`, `P:done:buffer:*` |
 | | held episode turns and outcomes: the ledger's commands (below), + HGET HDEL HLEN ZRANGEBYSCORE | `P:episode-sessions`, `P:episode:*:turns`, `P:episode:*:outcome`, `P:episode-group:*` |
@@ -220,13 +221,13 @@ def rq_worker(k: Keys, queue: str | None = None, job: str = RQ_EVAL_JOB) -> Gran
 def grants(role: str, k: Keys) -> list[Grant]:
     """What `role` may do on the keys of `k` (selectors; `ctl`, `keda` have none)."""
     if role == "collector":
-        pending = (k.pending_turn("*"), k.pending_deadlines)
+        pending = (k.pending_turn("*"), k.pending_deadlines, k.pairing_anchor("*"))
         return [
             _publish(k, K.TURNS),
             # Closing a pending turn emits it in one script (collector/pending_store.py): the
             # script's keys in one selector; each command inside is checked by the others.
             Grant(("evalsha",), _rw(k.turns, k.shed(k.turns), *pending)),
-            Grant(("get", "set", "getdel", "del", "zadd", "zrem", "zrangebyscore"),
+            Grant(("get", "set", "getdel", "del", "exists", "zadd", "zrem", "zrangebyscore"),
                   _rw(*pending, k.turn_lineage("*"))),
             Grant(("get", "set", "del"), _rw(k.stored_response("*"))),
         ]
@@ -242,6 +243,9 @@ def grants(role: str, k: Keys) -> list[Grant]:
                    "expire", "lpush", "ltrim", "lrange", "zadd", "zscore", "zrem", "zrangebyscore"),
                   _rw(k.experience_session("*"), k.experience_user("*"), k.experience_global,
                       k.experience_held("*"), k.experience_waiting)),
+            # The reward-collapse window every replica shares (services/judge/collapse.py: one script).
+            Grant(("evalsha", "hsetnx", "rpush", "hincrby", "llen", "lpop", "hget", "hdel", "hgetall", "hset"),
+                  _rw(k.reward_window, k.reward_window_turns, k.reward_alarm)),
         ]
     if role == "buffer":
         batched = k.sample_batched("*")

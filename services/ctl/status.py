@@ -9,8 +9,9 @@ waiting for their next state; sessions whose turns the judge holds for their exp
 what the buffer decided, per rule (episode turns too:
 `outcome_missing`, `episode_failed`, `group_too_small`; `group_partial` counts groups),
 and the episode sessions it holds for their outcome; the promotion gate
-(what it serves, the last decision, the newest score per suite); and, under `nextstate
-up`, each supervised process (restarts, crash loops).
+(what it serves, the last decision, the newest score per suite); the judges' rewards over
+their shared window and the reward-collapse alarm (services/judge/collapse.py); and,
+under `nextstate up`, each supervised process (restarts, crash loops).
 A stage is named *stalled* when it has work (lag or pending) and nothing was acked
 over the sampling window (`--window`, default 2 s): its backlog stays put or grows.
 """
@@ -59,8 +60,9 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     pipe.hmget(keys.gate_state, GATE_FIELDS)
     pipe.xrevrange(keys.promotions, count=1)
     pipe.xrevrange(keys.evals, count=50)
+    pipe.hgetall(keys.reward_alarm)
     (watcher, refused, services, counts, parked, episodes, groups, waiting, experience, gate,
-     promos, evals) = await pipe.execute()
+     promos, evals, alarm) = await pipe.execute()
     return {
         "prefix": keys.prefix,
         "streams": streams,
@@ -76,6 +78,26 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "turns_waiting_next_state": int(waiting),
         "sessions_waiting_experience": int(experience),
         "gate": gate_snapshot(dict(zip(GATE_FIELDS, gate, strict=True)), promos, evals, bus.settings.run),
+        "rewards": rewards_snapshot(alarm),
+    }
+
+
+def rewards_snapshot(fields: dict[str, str]) -> dict[str, Any] | None:
+    """The judges' reward-collapse window (`reward-alarm`, services/judge/collapse.py): the
+    share of each reward value and of undecided votes, and the alarm; None before any turn."""
+    turns = int(fields.get("turns") or 0)
+    if not turns:
+        return None
+    counts = {f[2:]: int(v) for f, v in fields.items() if f.startswith("v:") and int(v) > 0}
+    since = fields.get("alarm_since") or ""
+    return {
+        "turns": turns,
+        "values": {v: round(n / turns, 4) for v, n in sorted(counts.items(), key=lambda kv: -kv[1])},
+        "undecided": round(int(fields.get("undecided") or 0) / turns, 4),
+        "alarm": [r for r in (fields.get("alarm") or "").split(",") if r],
+        "alarm_since": float(since) if since else None,
+        "thresholds": {k: fields.get(k) for k in ("window", "min_turns", "value_share", "undecided_share")},
+        "updated_at": float(fields.get("updated_at") or 0) or None,
     }
 
 
@@ -210,9 +232,30 @@ def render_gate(snap: dict[str, Any]) -> list[str]:
     return lines
 
 
+def render_rewards(snap: dict[str, Any]) -> list[str]:
+    r = snap.get("rewards")
+    if not r:
+        return []
+    values = ", ".join(f"{v} {share:.0%}" for v, share in r["values"].items())
+    lines = [f"rewards over the last {r['turns']} judged turns: {values}; undecided {r['undecided']:.0%}"]
+    t = r["thresholds"]
+    for reason in r["alarm"]:
+        age = f" for {time.time() - r['alarm_since']:.0f}s" if r.get("alarm_since") else ""
+        if reason == "one-value":
+            top, share = next(iter(r["values"].items()))
+            what = f"one value ({top}) holds {share:.0%} (alarm at {float(t['value_share'] or 0):.0%})"
+        else:
+            what = f"{r['undecided']:.0%} undecided: ties or no readable vote (alarm at " \
+                   f"{float(t['undecided_share'] or 0):.0%})"
+        lines.append(f"  REWARD COLLAPSE{age}: {what}: the judge's votes stop discriminating "
+                     "(docs/troubleshooting.md#the-judges-scores-are-all-near-one-value)")
+    return lines
+
+
 def render(snap: dict[str, Any]) -> str:
     lines = render_versions(snap)
     lines.extend(render_gate(snap))
+    lines.extend(render_rewards(snap))
     lines.append(f"turns waiting for their next state: {snap.get('turns_waiting_next_state', 0)}")
     if snap.get("sessions_waiting_experience"):  # experiential learning (services/judge/replay.py)
         lines.append(f"sessions whose turns wait for their experience: {snap['sessions_waiting_experience']}")

@@ -94,7 +94,7 @@ def register(sub: Any) -> None:
                    help="prm | rule | rule+prm | module:callable (default: prm when "
                         "NEXTSTATE_JUDGE__URL is set, else rule)")
     p.add_argument("--mode", choices=list(MODES), default="rl",
-                   help="the learning method (README, Methods): rl (judge reward), opd (hint teacher, "
+                   help="the learning method (docs/methods.md): rl (judge reward), opd (hint teacher, "
                         "advantage teacher - behaviour), opd-topk (hint teacher, top-K distillation), "
                         "combine (reward + hint teacher), oel (experiential learning: lessons from "
                         "finished sessions, top-K distillation)")

@@ -70,3 +70,22 @@ HELD = Counter(
 REPLAYED = Counter(
     "nextstate_judge_replayed_total", "Held turns scored and published by a replay, by its reason", ["reason"]
 )
+
+# The reward-collapse alarm (collapse.py): the judges' shared window, as this process's last
+# published turn left it.
+WINDOW_TURNS = Gauge("nextstate_judge_window_turns", "Judged turns in the reward-collapse window (all judges)")
+WINDOW_TOP_SHARE = Gauge(
+    "nextstate_judge_window_top_share", "Share of the window's turns holding its commonest reward value"
+)
+WINDOW_UNDECIDED_SHARE = Gauge(
+    "nextstate_judge_window_undecided_share",
+    "Share of the window's turns whose votes were undecided (no label won, or none readable)",
+)
+COLLAPSE = Gauge(
+    "nextstate_judge_reward_collapse", "1 while the reward-collapse alarm is raised, by reason "
+    "(one-value, undecided)", ["reason"],
+)
+COLLAPSE_ALARMS = Counter(
+    "nextstate_judge_reward_collapse_alarms_total", "Times this process's turn raised the alarm, by reason",
+    ["reason"],
+)

@@ -15,7 +15,8 @@ Pure functions, no I/O, so the rules that decide a reward are tested exhaustivel
   No exponents, fractions or percentages: a box that is not a plain number is unparsable.
 - `majority(scores, threshold)`: the label whose share of the valid (parsed) votes is
   strictly more than half (threshold None, the default), or at least `threshold`
-  (e.g. 0.6: 3 of 5); no such label, several, or no valid vote -> 0.
+  (e.g. 0.6: 3 of 5); no such label, several, or no valid vote -> 0 (`winning_label`
+  says None then: the votes are undecided, which the collapse alarm counts).
 - `mean_score(scores)`: graded and probability votes: the mean of the valid ones
   (0 when none is valid); a threshold does not apply to them.
 - `extract_hint(text)`: the text between the last `[HINT_START]` and the `[HINT_END]`
@@ -115,21 +116,28 @@ def parse_score(text: str, scale: ScoreScale = "label") -> float | None:
     return round(2.0 * number - 1.0, 12)  # 0.8 -> 0.6, not 0.6000000000000001
 
 
-def majority(scores: Iterable[float | None], threshold: float | None = None) -> Score:
+def winning_label(scores: Iterable[float | None], threshold: float | None = None) -> Score | None:
     """The label holding strictly more than half of the valid votes (`threshold` None) or
-    at least `threshold` of them; 0 when no label (or more than one) does, or none is valid."""
+    at least `threshold` of them; None when no label (or more than one) does, or none is
+    valid: the votes are *undecided* (a tie, or nothing readable)."""
     counts = Counter(s for s in scores if s is not None)
     valid = sum(counts.values())
     if not valid:
-        return 0
+        return None
     if threshold is None:
         winners = [label for label, n in counts.items() if 2 * n > valid]
     else:  # a tolerance, so that 3 of 5 reaches 0.6 despite float rounding
         winners = [label for label, n in counts.items() if n / valid >= threshold - 1e-9]
     if len(winners) != 1:
-        return 0
+        return None
     label = winners[0]
     return 1 if label == 1 else -1 if label == -1 else 0
+
+
+def majority(scores: Iterable[float | None], threshold: float | None = None) -> Score:
+    """The winning label (`winning_label`); 0 when the votes are undecided."""
+    label = winning_label(scores, threshold)
+    return 0 if label is None else label
 
 
 def mean_score(scores: Iterable[float | None]) -> float:

@@ -14,7 +14,8 @@ through replay.py: held until its session's experience exists (published later, 
 Replay), or an ending (its session's lessons extracted and stored) — see there.
 
 The ScoredTurn's id is the turn's id, so a redelivered turn that is judged twice is
-deduplicated downstream. Any failure (quorum not met, plugin error, engine down)
+deduplicated downstream. Each published turn's reward goes into the reward-collapse window that every replica
+shares (collapse.py). Any failure (quorum not met, plugin error, engine down)
 raises: the entry stays pending, is retried with backoff and dead-lettered after
 `streams.max_deliveries`. Publishing waits (bounded) for room when `scored` is over
 its bound rather than dropping a judged turn.
@@ -29,8 +30,11 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
+
 from services.judge import metrics
 from services.judge.backend import JudgeBackend, make_backend
+from services.judge.collapse import RewardWindow
 from services.judge.experience import ExperienceStore, ExperienceTeacher, build_extractor
 from services.judge.judges import Judge, Verdict, build_judge
 from services.judge.opd import OPDResult, Scorer, Teacher
@@ -73,6 +77,8 @@ class JudgeService:
         # waiting: with hundreds of turns in flight, publishes queue here instead.
         self._publish_slots = asyncio.Semaphore(PUBLISH_CONCURRENCY)
         self.experiential: Experiential | None = None  # TEACHER=experience: set by `run`
+        # The reward-collapse alarm's window, shared by every replica (collapse.py).
+        self.window = RewardWindow(bus, cfg) if cfg.collapse_window > 0 else None
 
     async def handle(self, turn: Turn, delivery: Delivery) -> None:
         if turn.turn_type == "side":
@@ -167,7 +173,17 @@ class JudgeService:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+        if self.window is not None:
+            await self._watch(scored)
 
+    async def _watch(self, scored: ScoredTurn) -> None:
+        """Count a published turn in the collapse window; a Redis failure here only costs
+        the alarm this turn (the turn is published: it is never judged again for it)."""
+        assert self.window is not None
+        try:
+            await self.window.add(scored)
+        except (RedisError, BusError) as exc:
+            log.warning("the reward-collapse window was not updated", extra={"turn_id": scored.id, "error": str(exc)})
 
     async def _publish_once(self, data: str) -> str | None:
         async with self._publish_slots:

@@ -38,6 +38,11 @@
     NEXTSTATE_JUDGE__EXPERIENCE_STORE_MAX=100   records kept per list (global, and each user's), newest first
     NEXTSTATE_JUDGE__EXPERIENCE_WAIT_S=2400     a turn waits this long for its session to end, then is scored
                                          without its session's experience (> the collector's PENDING_TTL_S)
+    NEXTSTATE_JUDGE__COLLAPSE_WINDOW=200     the reward-collapse alarm (collapse.py): over the last N judged turns
+                                         of every replica (0: off), alarm when one reward value holds at least
+    NEXTSTATE_JUDGE__COLLAPSE_VALUE_SHARE=0.95       this share of them, or the votes of at least
+    NEXTSTATE_JUDGE__COLLAPSE_UNDECIDED_SHARE=0.5    this share were undecided (a tie, nothing readable);
+    NEXTSTATE_JUDGE__COLLAPSE_MIN_TURNS=100  judged only once the window holds this many turns
     NEXTSTATE_JUDGE__PROMPT_VERSION=prm-v1   (default by SCORES: prm-v1, prm-graded-v1, prm-prob-v1)
     NEXTSTATE_JUDGE__HINT_PROMPT_VERSION=hint-v1
     NEXTSTATE_JUDGE__HOST=127.0.0.1      NEXTSTATE_JUDGE__PORT=9102   (/healthz /readyz /metrics)
@@ -146,6 +151,11 @@ class JudgeConfig(BaseModel):
     experience_sweep_s: float = Field(1.0, gt=0, description="how often overdue sessions are looked for")
     experience_lease_s: float = Field(300.0, gt=0, description="a deadline replay is tried again after this")
     replay_concurrency: int = Field(8, ge=1, le=1024, description="sessions replayed at once per process")
+    # -- the reward-collapse alarm (services/judge/collapse.py) ----------------------------
+    collapse_window: int = Field(200, ge=0, le=100_000, description="judged turns looked at (0: no alarm)")
+    collapse_min_turns: int = Field(100, ge=1, description="the alarm is judged once the window holds this many")
+    collapse_value_share: float = Field(0.95, gt=0, le=1, description="alarm: one reward value holds this share")
+    collapse_undecided_share: float = Field(0.5, gt=0, le=1, description="alarm: this share of turns undecided")
     # -- process --------------------------------------------------------------------------
     consumer_name: str | None = Field(None, description="stable name to reclaim own work on restart")
     publish_wait_s: float = Field(30.0, ge=0, description="wait this long for room in `scored`")

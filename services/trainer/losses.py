@@ -1,4 +1,4 @@
-"""The policy-gradient math (DESIGN.md, "Rewards and advantages"): small pure functions.
+"""The policy-gradient math (docs/design.md#rewards-and-advantages): small pure functions.
 
 Tensors in, tensors (or `(loss, metrics)`) out; no model, no config object. Shapes:
 B samples, T token positions, V vocabulary. Every per-token quantity comes with a

@@ -51,10 +51,10 @@ class TrainerConfig(BaseModel):
     model: str = Field(description="HF folder of the base model: initial policy and KL reference")
     tokenizer: str | None = Field(None, description="tokenizer folder published with each version")
     # -- optimizer ------------------------------------------------------------------------
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = Field(1e-8, gt=0)
+    lr: float = Field(1e-6, gt=0, description="AdamW's learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW's eps")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
     # -- loss ---------------------------------------------------------------------------------
     loss_mode: Mode = "rl"
@@ -62,11 +62,11 @@ class TrainerConfig(BaseModel):
         None, description="rl | opd | combine | opd_topk | module:function (default: loss_mode's)"
     )
     loss_options: dict[str, Any] = Field(default_factory=dict, description="handed to the loss")
-    w_rl: float = 1.0
-    w_opd: float = 1.0
-    eps_clip: float = Field(0.2, gt=0, lt=1)
-    eps_clip_high: float = Field(0.28, gt=0)
-    kl_beta: float = Field(0.02, ge=0)
+    w_rl: float = Field(1.0, description="combine: the weight of the judge's reward in A")
+    w_opd: float = Field(1.0, description="combine: the weight of teacher - behaviour in A")
+    eps_clip: float = Field(0.2, gt=0, lt=1, description="the ratio's lower clip: 1 - eps_clip")
+    eps_clip_high: float = Field(0.28, gt=0, description="the ratio's upper clip: 1 + eps_clip_high")
+    kl_beta: float = Field(0.02, ge=0, description="weight of the k3 KL to the reference (0: no reference model)")
     # -- batching and checkpoints ---------------------------------------------------------------
     micro_batch_tokens: int = Field(8192, ge=16, description="padded tokens per micro-batch")
     checkpoint_every: int = Field(1, ge=1, description="optimizer steps per published version")
@@ -78,11 +78,11 @@ class TrainerConfig(BaseModel):
     max_staleness: int = Field(
         4, ge=0, description="versions a sample may be behind the weights it trains (older: dropped)")
     # -- LoRA ------------------------------------------------------------------------------------
-    lora: bool = False
-    lora_rank: int = Field(16, ge=1)
-    lora_alpha: int = Field(32, ge=1)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_targets: list[str] | Literal["all-linear"] = "all-linear"
+    lora: bool = Field(False, description="train LoRA adapters (versions are published merged)")
+    lora_rank: int = Field(16, ge=1, description="LoRA: rank")
+    lora_alpha: int = Field(32, ge=1, description="LoRA: alpha")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA: dropout")
+    lora_targets: list[str] | Literal["all-linear"] = Field("all-linear", description="LoRA: the modules adapted")
     # -- process -----------------------------------------------------------------------------------
     device: str = "auto"
     dtype: Dtype = "auto"

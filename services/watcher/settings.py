@@ -12,6 +12,7 @@ from shared.settings import Settings
 
 
 class WatcherConfig(BaseModel):
+    # The engine to keep on the right version, and what speaks there.
     engine_url: str = "http://127.0.0.1:30000"
     engine_kind: Literal["sglang", "vllm"] = "sglang"
     # Each poll reads LATEST *and* asks the engine what it serves, reloading on any mismatch.
@@ -23,7 +24,7 @@ class WatcherConfig(BaseModel):
     # The model the engine serves (its HF folder), which every version must fit before the
     # engine is asked to load it (compat.py); default: the engine's reported model path.
     base_model: str | None = None
-    keep_local: int = Field(3, ge=1)
+    keep_local: int = Field(3, ge=1, description="verified versions kept in local_dir")
     # The engine waits for in-flight requests before swapping unless this is set.
     abort_requests: bool = False
     reload_timeout_s: float = Field(600.0, gt=0)

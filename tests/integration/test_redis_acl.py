@@ -202,12 +202,17 @@ async def test_collector_stores_pending_turns_and_publishes_turns_only(acl: Acl)
                                          "response": {"role": "assistant", "content": f"a{i}"}})
                for i in range(2)]  # fmt: skip
     held = group_records(members, cache, ["g0", "g1"], now + 60)
-    await store.put_many([(h, x.record, x.lineage) for h, x in held], now + 60, now)
+    await store.put_many([(h, x.record, x.lineage, x.anchors) for h, x in held], now + 60, now)
     closed, _ = await store.lookup(["g0"], "g0", ["[]"])
     assert (closed.records[0] is not None, closed.unchosen) == (True, 1)
+    # Pairing anchors: registered with a pending turn (a script), then the turn they name
+    # closed by a request whose prefix rule found nothing (the close script reads them).
+    await store.put("h5", r1, now + 60, lineage, now, anchors=["an1", "an2"])
+    closed, _ = await store.lookup(["nope"], "nope", ["[]"], ["an0", "an2"])
+    assert (closed.via, closed.via_record, closed.via_hash, closed.via_lineage) == (2, r1, "h5", lineage)
     assert await bus.publish(K.TURNS, turn()) is not None
     admin = acl.bus(redis_acl.ADMIN).redis
-    assert await admin.xlen(k.turns) == 5
+    assert await admin.xlen(k.turns) == 6
     # A session's last turn and its stored Responses object, in one round trip; a pending
     # turn with one (and a server that lost the scripts loads them again).
     await admin.script_flush()
@@ -323,6 +328,27 @@ async def test_judge_keeps_its_experience_store_and_replays(acl: Acl) -> None:
     assert await store.overdue(time.time() + 120, 10) == []
     await denied(judge.redis.delete(k.experience_global))  # no DEL of the store
     await denied(judge.redis.lrange(k.batches, 0, 1))
+
+
+async def test_judge_keeps_the_reward_window_and_ctl_reads_it(acl: Acl) -> None:
+    """The reward-collapse window's script as the judge user, `nextstate status` reading it as
+    ctl; the judge cannot delete the window nor touch the buffer's counts through it."""
+    from services.judge.collapse import RewardWindow
+    from services.judge.settings import JudgeConfig
+    from shared.schemas import Vote
+
+    judge, k = acl.bus("judge"), acl.keys
+    window = RewardWindow(judge, JudgeConfig(collapse_window=3, collapse_min_turns=2))
+    for i in range(4):
+        t = turn(f"s{i}")
+        state = await window.add(ScoredTurn(id=t.id, turn=t, reward=1, votes=[Vote(score=1)]))
+    assert state is not None and state.turns == 3 and state.alarm == ("one-value",)
+    snap = await snapshot(acl.bus("ctl"))
+    assert snap["rewards"]["alarm"] == ["one-value"] and snap["rewards"]["turns"] == 3
+    await denied(judge.redis.delete(k.reward_window))
+    await denied(judge.redis.hincrby(k.buffer_counts, "kept", 1))
+    sneak = judge.redis.register_script("return redis.call('HINCRBY', KEYS[1], 'kept', 1)")
+    await denied(sneak(keys=[k.buffer_counts]))
 
 
 # -- buffer -----------------------------------------------------------------------------------------

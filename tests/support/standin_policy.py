@@ -1,6 +1,6 @@
 """A stand-in policy: a small real OpenAI-compatible HTTP server with fixed latency and
 scripted tool calls, for the envs workers' tests and bench/envs.py (a third-party model
-server's fake, as CONVENTIONS.md allows; the real collector and engine are tested too).
+server's fake, as a small real HTTP server; the real collector and engine are tested too).
 
 Per request, after `latency_s`: while the conversation holds fewer than `tool_turns`
 assistant messages, the answer calls `tool` with `{arg: <the first quoted word of the

@@ -70,7 +70,7 @@ def answer(message: dict[str, Any], finish: str = "stop", matched: int | str | N
     call = make_call([{"role": "user", "content": "q"}], None, tools_enabled=False, headers={},
                      cfg=CollectorConfig())  # fmt: skip
     prep = Prepared(call, [1, 2, 3], PromptCache(text="", ids=[], cuts=[]), call.sampling, None,
-                    None, [], Lookup(), 0.0, "s")  # fmt: skip
+                    None, None, Lookup(), 0.0, "s")  # fmt: skip
     result = GenerateResult(text="", output_ids=[7, 8], output_logprobs=[-0.1, -0.2],
                             finish_reason="length" if finish == "length" else "stop",
                             prompt_tokens=3, completion_tokens=2, weight_version="3",

@@ -15,6 +15,7 @@ from services.judge.parsing import (
     majority,
     parse_score,
     unanimous,
+    winning_label,
 )
 from shared.schemas import Vote
 
@@ -84,6 +85,10 @@ def test_last_boxed_balances_braces() -> None:
 )
 def test_majority(scores: list[Score | None], expected: Score) -> None:
     assert majority(scores) == expected
+    winner = winning_label(scores)
+    assert majority(scores) == (0 if winner is None else winner)
+    # undecided: a tie or nothing valid; a 0 that wins the vote is a decision
+    assert (winner is None) == (expected == 0 and not (scores.count(0) * 2 > sum(s is not None for s in scores)))
 
 
 def test_unanimous() -> None:
