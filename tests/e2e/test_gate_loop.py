@@ -109,9 +109,19 @@ async def test_a_version_worse_on_the_same_tasks_is_refused_and_never_served(
                 await asyncio.sleep(0.1)
 
         decision, _ = await asyncio.gather(until(refused, 300, "the gate's decision on it"), watch_engine())
-        for _ in range(10):  # and afterwards, a few polls of the watcher
-            serving()
-            await asyncio.sleep(0.3)
+        refused_at = time.time()
+
+        def checked_at() -> float:
+            with stack.redis() as r:
+                return float(r.hget(keys.watcher_state, "checked_at") or 0)
+
+        # And afterwards: two watcher passes (each asks the engine, then records checked_at in
+        # watcher-state), the second begun after the refusal was on the stream.
+        after = await until(lambda: (c := checked_at()) > refused_at and c, 60, "a watcher pass after it")
+        await until(lambda: checked_at() > after, 60, "a second watcher pass after it")
+        serving()
+        with stack.redis() as r:
+            assert r.hget(keys.watcher_state, "target_version") != str(bad)
         assert bad not in served_versions, "the worse version was served"
         # Refused on its score: worse than the best on the same tasks, at the stated confidence.
         test = decision.tests["demo"]
