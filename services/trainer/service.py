@@ -212,7 +212,7 @@ class TrainerService:
             fut = self.inflight[batch.id]
             samples = self._own_lineage(batch, fut)
             if samples:
-                samples = self._fresh(batch, samples, fut)
+                samples = await self._fresh(batch, samples, fut)
             if not samples:
                 continue
             try:
@@ -271,28 +271,49 @@ class TrainerService:
                 fut.set_result(None)
         return samples
 
-    def _fresh(self, batch: TrainBatch, samples: list[TrainSample], fut: asyncio.Future[None]) -> list[TrainSample]:
-        """The samples at most MAX_STALENESS versions behind the weights about to train on
-        them. Off-policy beyond that, the clipped ratio keeps little of their signal and
-        training on them only drifts: what a trainer behind its traffic would train after
-        the traffic stopped. A batch left with none is acked untrained (counted, logged)."""
+    async def _fresh(self, batch: TrainBatch, samples: list[TrainSample],
+                     fut: asyncio.Future[None]) -> list[TrainSample]:
+        """The samples to train: none more than MAX_STALENESS versions behind the weights
+        about to train on them, unless the policy users get now generated it. Off-policy
+        beyond that, the clipped ratio keeps little of a sample's signal and training on it
+        only drifts — a trainer behind its traffic, chewing its backlog after the traffic
+        stopped. The served policy's own samples are the freshest there are: dropping
+        them would stall a trainer whose versions the gate has not promoted yet. A batch
+        left with none is acked untrained (counted, logged)."""
         limit = self.cfg.max_staleness
-        fresh = [s for s in samples if self.behind(s.policy_version) <= limit]
+        if all(self.behind(s.policy_version) <= limit for s in samples):
+            return samples
+        serving = await self.serving()
+        fresh = [s for s in samples if self.behind(s.policy_version) <= limit or s.policy_version >= serving]
         dropped = len(samples) - len(fresh)
         if dropped:
             M.STALE_SAMPLES.inc(dropped)
             oldest = min(s.policy_version for s in samples)
             extra = {"batch_id": batch.id, "dropped": dropped, "kept": len(fresh), "version": self.version,
-                     "oldest_policy_version": oldest, "max_staleness": limit}
+                     "serving": serving, "oldest_policy_version": oldest, "max_staleness": limit}
             if fresh:
                 log.info("dropped stale samples", extra=extra)
             else:
                 M.STALE_BATCHES.inc()
                 log.warning("batch acked without training: every sample is more than %s versions behind v%s "
-                            "(oldest from v%s)", limit, self.version, oldest, extra=extra)
+                            "and older than the served v%s (oldest from v%s)", limit, self.version, serving, oldest,
+                            extra=extra)
                 self.inflight.pop(batch.id, None)
                 fut.set_result(None)
         return fresh
+
+    async def serving(self) -> int:
+        """The version users get now: the gate's (0 while it promoted nothing: the engine's
+        own weights), else the newest committed (the watcher serves LATEST). Redis not
+        answering: 0, so that nothing a gate might serve is dropped."""
+        try:
+            view = gate_view(await self.bus.redis.hgetall(self.bus.keys.gate_state))
+        except RedisError as exc:
+            log.warning("gate state not read; no sample dropped as stale", extra={"error": str(exc)})
+            return 0
+        if view is None:
+            return self.committed_version
+        return view.current if view.current is not None else 0
 
     def behind(self, policy_version: int) -> int:
         """Versions trained on this lineage after `policy_version`: those since the start or

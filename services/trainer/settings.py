@@ -13,10 +13,11 @@
     NEXTSTATE_TRAINER__MICRO_BATCH_TOKENS=8192   padded tokens per forward; gradients accumulate
     NEXTSTATE_TRAINER__CHECKPOINT_EVERY=1        publish a version every K optimizer steps
     NEXTSTATE_TRAINER__MAX_STALENESS=4           a sample more versions behind the weights being
-                                                 trained than this is not trained (a batch left with
-                                                 none is acked untrained): when traffic stops, the
-                                                 trainer stops within a few versions instead of
-                                                 drifting on the leftovers
+                                                 trained than this is not trained, unless users get
+                                                 its version now (a batch left with none is acked
+                                                 untrained): when traffic stops, the trainer stops
+                                                 within a few versions instead of drifting on the
+                                                 leftovers
     NEXTSTATE_TRAINER__KEEP_VERSIONS=3           versions (and trainer states) kept in the bucket
     NEXTSTATE_TRAINER__LORA=false                LORA_RANK=16 LORA_ALPHA=32: publishes merged weights
     NEXTSTATE_TRAINER__DEVICE=auto               NEXTSTATE_TRAINER__DTYPE=auto (bf16 on GPU, fp32 on CPU)
@@ -76,7 +77,8 @@ class TrainerConfig(BaseModel):
     )
     remember_batches: int = Field(10_000, ge=100, description="consumed batch ids kept for replays")
     max_staleness: int = Field(
-        4, ge=0, description="versions a sample may be behind the weights it trains (older: dropped)")
+        4, ge=0, description="versions a sample may be behind the weights it trains (older: dropped, "
+        "unless its version is the one served)")
     # -- LoRA ------------------------------------------------------------------------------------
     lora: bool = Field(False, description="train LoRA adapters (versions are published merged)")
     lora_rank: int = Field(16, ge=1, description="LoRA: rank")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from services.watcher.paired import compare
@@ -69,7 +69,7 @@ class Score:
     ci_low: float | None = None
     ci_high: float | None = None
     at: float = 0.0  # the result's created_at
-    tasks: dict[str, float] = field(default_factory=dict)
+    tasks: dict[str, float] = field(default_factory=dict)  # kept while the version may be a best
     binary: bool = False  # every task pass/fail: McNemar; otherwise graded: the bootstrap
 
     @classmethod
@@ -301,6 +301,8 @@ class GateBook:
 
     def _set(self, rec: Record, decision: Decision, reasons: list[str], j: Judgement, now: float) -> Verdict:
         rec.decision, rec.reasons, rec.decided_at, rec.tests = decision, reasons, now, j.tests
+        if decision != "promoted":  # never a best: its tasks are not compared again (the bucket keeps them)
+            rec.results = {s: replace(r, tasks={}) for s, r in rec.results.items()}
         self.changed.add(rec.version)
         return Verdict(rec.version, decision, list(reasons), rec.scores(), dict(j.baseline), dict(j.tests))
 

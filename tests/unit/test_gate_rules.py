@@ -248,6 +248,8 @@ def test_a_version_worse_on_the_same_tasks_is_refused_an_equal_one_promoted() ->
     (v3,) = book.decide(RULES, 5.0)
     assert v3.decision == "promoted" and v3.tests["demo"].p_value == mcnemar_exact(4, 2)
     assert book.best() == {"demo": 0.625}  # v1 stays the best: no creeping down
+    # What may be compared again keeps its tasks in `gate-state`; a refused version does not.
+    assert book.records[1].results["demo"].tasks and not book.records[2].results["demo"].tasks
 
 
 def test_a_stricter_alpha_refuses_less() -> None:
