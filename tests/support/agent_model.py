@@ -148,7 +148,8 @@ def collector_conversation(path: str, body: dict[str, Any]) -> tuple[list[dict[s
 
 def examples() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str, bool]]:
     """(messages, tools, the text the model must answer, whether to check it on the full
-    prompt: the first rendering of each recorded request) from the recordings."""
+    prompt: the first rendering of each recorded Codex and Claude Code request, and of
+    OpenClaw's first) from the recordings."""
     out = []
     for name in RECORDINGS:
         agent = name.split("-", 1)[0]
@@ -163,7 +164,7 @@ def examples() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, 
             body = json.loads(json.dumps(e["body"]).replace(RECORDED_TASK, task))
             for v, b in enumerate(_variants(agent, body)):
                 messages, tools = collector_conversation(e["path"], b)
-                out.append((messages, tools, target, v == 0 and (agent != "openclaw" or i == 0)))
+                out.append((messages, tools, target, v == 0 and (agent != "openclaw" or (name, i) == (RECORDINGS[0], 0))))
     return out
 
 
