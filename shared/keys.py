@@ -161,6 +161,14 @@ class Keys:
         return f"{self.prefix}:services"
 
     @property
+    def archive_state(self) -> str:
+        """Hash archive consumer name -> JSON {roll_s, grace_s, held_since, uploaded_at,
+        last_key, at}: what each buffer's archiver holds unacknowledged on purpose (the
+        batches of its open roll wait for the roll's upload, up to roll_s), so that
+        `nextstate status` tells that hold from a stall."""
+        return f"{self.prefix}:archive-state"
+
+    @property
     def buffer_counts(self) -> str:
         """Hash outcome -> count: every turn the buffer decided on, counted once
         (kept, forced, stale, and each exclusion reason)."""

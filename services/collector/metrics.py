@@ -34,6 +34,10 @@ PENDING = Counter(
 GROUP_CHOICES = Counter(
     "nextstate_collector_group_choices_total", "Choices answered in completions with n > 1"
 )
+SWEEPS = Counter(
+    "nextstate_collector_sweeps_total",
+    "Sweeps for expired pending turns completed (flat while Redis is up: the sweeper is stuck)",
+)
 SPOOLED = Counter(
     "nextstate_collector_spooled_total", "Capture operations written to the local spool", ["op"]
 )

@@ -637,3 +637,29 @@ def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.Monke
         for key, value in want[role].items():
             assert got.get(key) == value, (mode, name, key)
         check_settings_env(module, got, monkeypatch)  # the service accepts the combination
+
+
+def test_the_lora_override_appends_the_engines_lora_flags_and_nothing_else() -> None:
+    """docker-compose.lora.yml repeats each engine's command with LoRA flags appended (compose
+    replaces a command whole); the vLLM flags are shared/vllm_engine.py's with a LoRA rank;
+    TRAINER_LORA switches the trainer and the clients."""
+    from shared.vllm_engine import VLLMLaunch
+
+    env = {**filled_example_env(), "TRAINER_LORA": "true", "TRAINER_LORA_RANK": "32"}
+    base = compose(env)["services"]
+    lora = interpolate_tree(yaml.safe_load((REPO / "docker-compose.lora.yml").read_text()), env)["services"]
+    assert set(lora) == {"engine-gpu", "eval-engine-gpu", "engine-vllm"}
+    for name in ("engine-gpu", "eval-engine-gpu"):
+        argv = [str(a) for a in lora[name]["command"]]
+        assert argv == [str(a) for a in base[name]["command"]] + [
+            "--enable-lora", "--max-lora-rank", "32", "--lora-target-modules", "all"], name
+    argv = [str(a) for a in lora["engine-vllm"]["command"]]
+    up_argv, up_env = VLLMLaunch(python="python", threads=1, lora_rank=32).command(Path("/models/policy"), 30000)
+    assert argv == [str(a) for a in base["engine-vllm"]["command"]] + up_argv[up_argv.index("--enable-lora"):]
+    assert lora["engine-vllm"]["environment"] == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING":
+                                                  up_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]}
+    assert base["trainer-cpu"]["environment"]["NEXTSTATE_TRAINER__LORA"] == "true"
+    assert base["trainer-cpu"]["environment"]["NEXTSTATE_TRAINER__LORA_RANK"] == "32"
+    assert base["collector"]["environment"]["NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS"] == "true"
+    assert base["judge"]["environment"]["NEXTSTATE_JUDGE__ENGINE_ADAPTERS"] == "true"
+    assert compose()["services"]["collector"]["environment"]["NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS"] == "false"
