@@ -10,7 +10,8 @@
    `local_dir/v000042` checking every sha256 (a complete local copy is reused), prune older
    copies. Version 0 is the base model: the folder BASE_MODEL names, nothing downloaded;
 2. load it into the evaluation engine (`/update_weights_from_disk` with `weight_version =
-   str(version)`, confirmed through `/model_info`), unless the engine already serves it;
+   str(version)`, or an adapter version by name beside the base weights; confirmed through
+   the engine's weight version), unless the engine already serves it;
 3. run the suite with an `EvalContext` (the engine's URL, the internal credential, the
    tokenizer, the base model, the config — `samples` the suite's (SUITE_SAMPLES, else
    SAMPLES), overridden when the job asks);
@@ -41,6 +42,7 @@ from shared import checkpoints as ckpt
 from shared import keys as K
 from shared.auth import bearer
 from shared.engine_client import EngineClient
+from shared.engine_client.versions import serve_version
 from shared.errors import EngineError, MalformedMessage, NextstateError, SettingsError, StoreError
 from shared.evaljobs import result_key
 from shared.schemas import CheckpointManifest, CheckpointPublished, EvalResult
@@ -117,18 +119,19 @@ class Evaluator:
         if version == BASE:
             if not cfg.base_model:
                 raise SettingsError("evaluating the base model (v0) needs NEXTSTATE_EVAL__BASE_MODEL: its HF folder")
-            folder, base_model = Path(cfg.base_model), cfg.base_model
-            await self._load(folder, version, engine_path=str(folder))
+            folder, base_model, tokenizer = Path(cfg.base_model), cfg.base_model, cfg.tokenizer or cfg.base_model
+            await self._load_base(cfg.base_model)
         else:
             folder, manifest = await self.bucket.run(install, self.bucket.sync, cfg.local_dir, run, version)
             await self.bucket.run(ckpt.prune_local, cfg.local_dir, cfg.keep_local, protect=[version])
+            await self._load(folder, manifest)
             base_model = cfg.base_model or manifest.base_model
-            await self._load(folder, version)
+            tokenizer = cfg.tokenizer or (str(folder.resolve()) if manifest.format == "full"
+                                          else base_model)  # an adapter has none
         ctx = EvalContext(
             run=run, version=version, engine_url=cfg.engine_url,
             headers=bearer(self.settings.internal.secret()),
-            tokenizer=cfg.tokenizer or str(folder.resolve()),
-            base_model=base_model, cfg=cfg, bus=self.bus,
+            tokenizer=tokenizer, base_model=base_model, cfg=cfg, bus=self.bus,
         )
         log.info("evaluating", extra=extra)
         outcome = await suite(ctx)
@@ -179,13 +182,34 @@ class Evaluator:
             return f"{self.cfg.engine_dir.rstrip('/')}/{folder.name}"
         return str(folder.resolve())
 
-    async def _load(self, folder: Path, version: int, engine_path: str | None = None) -> None:
-        """Make the evaluation engine serve `version` (nothing to do if it already does);
-        `engine_path`: where the engine finds it, when not under ENGINE_DIR (the base)."""
+    async def _load_base(self, path: str) -> None:
+        """Make the evaluation engine serve the base model (v0): its own weights when it
+        still has them; otherwise without the adapters of versions, or loaded again from
+        `path` (BASE_MODEL: the engine must see the model there, as it was started on it)."""
+        if await self.engine.weight_version() == str(BASE):
+            return
+        adapters = (await self.engine.model_info()).get("lora_adapters") or {}
+        for name in [str(a) for a in adapters if str(a).isdigit()]:
+            try:
+                await self.engine.unload_adapter(name)
+            except EngineError as exc:
+                log.warning("could not unload an adapter to score the base", extra={"adapter": name, "error": str(exc)})
+        if await self.engine.weight_version() == str(BASE):
+            return
+        ok, message = await self.engine.update_weights(path, str(BASE))
+        served = await self.engine.weight_version()
+        if not ok or served != str(BASE):
+            raise EngineError(f"the evaluation engine did not take the base model from {path}: {message} "
+                              f"(it serves weight_version {served!r})")
+
+    async def _load(self, folder: Path, manifest: CheckpointManifest) -> None:
+        """Make the evaluation engine serve `manifest`'s version (nothing to do if it already
+        does): full weights, or its LoRA adapter beside the base (shared/engine_client/versions.py)."""
+        version = manifest.version
         if await self.engine.weight_version() == str(version):
             return
         t0 = time.monotonic()
-        ok, message = await self.engine.update_weights(engine_path or self._engine_path(folder), str(version))
+        ok, message = await serve_version(self.engine, self._engine_path(folder), manifest)
         served = await self.engine.weight_version()
         if not ok:
             raise EngineError(f"the evaluation engine refused v{version}: {message}")
