@@ -189,6 +189,7 @@ class Capture:
         self._closed_here: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        self.sweeps = 0  # sweeps completed (nextstate_collector_sweeps_total, per instance)
         M.REDIS_UP.set(1 if self.state is State.UP else 0)
 
     # -- the request path ------------------------------------------------------------
@@ -453,7 +454,9 @@ class Capture:
             if shed:
                 M.SHED.labels("stream_bound").inc(shed)
             if won < SWEEP_BATCH:
-                return
+                break
+        self.sweeps += 1
+        M.SWEEPS.inc()
 
     def _sweep_local(self) -> None:
         now = time.time()

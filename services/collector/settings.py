@@ -55,6 +55,8 @@ from shared.toolparsers import tool_parser_names
 
 TurnTypeSetting = Literal["main", "side"]
 GroupUnchosen = Literal["keep", "judge", "drop"]
+OverContext = Literal["clamp", "refuse"]
+UnsupportedTools = Literal["drop", "refuse"]
 PairingRule = Literal["prefix", "anchors"]
 
 
@@ -84,6 +86,20 @@ class CollectorConfig(BaseModel):
     default_top_k: int = -1
     default_max_tokens: int | None = Field(None, ge=1)
     max_n: int = Field(16, ge=1, description="the largest n (choices per chat completion)")
+    context_length: int | None = Field(
+        None, ge=2, description="the policy's context window in tokens; a prompt that does not "
+        "fit is refused before the engine is called (400 context_length_exceeded). Default: the "
+        "engine's model info (context_length, vLLM's max_model_len), else the model config "
+        "(max_position_embeddings)")  # fmt: skip
+    max_tokens_over_context: OverContext = Field(
+        "clamp", description="a max_tokens (max_output_tokens) that runs past the context window: "
+        "clamp cuts it to the room left (the answer ends with finish_reason length, as vLLM "
+        "does), refuse answers 400 context_length_exceeded (as OpenAI and SGLang do)")  # fmt: skip
+    unsupported_tools: UnsupportedTools = Field(
+        "drop", description="built-in tools a request offers that the engine cannot run (web "
+        "search, file search, code interpreter, computer use, Anthropic server tools): drop "
+        "leaves them out of the prompt and names them in the X-Nextstate-Dropped-Tools response "
+        "header; refuse answers 400. A tool_choice forcing one is a 400 either way")  # fmt: skip
 
     # -- capture --------------------------------------------------------------------------
     default_turn_type: TurnTypeSetting = "main"

@@ -109,7 +109,9 @@ async def test_killed_while_holding_episode_turns_the_batch_comes_out_once(
     got = await eventually(lambda: _len(samples(bus), 2), timeout=20, what="the episode batched")
     await eventually(lambda: group_done(bus), what="the copy handled")
     await eventually(lambda: group_done(bus, K.OUTCOMES, K.GROUP_OUTCOMES), what="the outcome handled")
-    await asyncio.sleep(0.5)  # a second batch would show up now
+    # Every entry handled, and the session released (only once its decided turns' batch was
+    # published): nothing is held that could make a second batch.
+    await eventually(lambda: _is(bus.redis.zcard(bus.keys.episode_sessions), 0), what="the session released")
     got = await samples(bus)
     assert sorted((s.turn_index, s.reward) for s in got) == [(0, 0.5), (1, 0.5)]  # not the closing turn
     assert len(await batches(bus)) == 1

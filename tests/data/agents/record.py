@@ -3,8 +3,7 @@
 The `*.jsonl` files beside this one are the exact requests (method, path, headers with keys
 redacted, body) that the real agents sent to a scripted stand-in model, one JSON object a
 line, in the order they came. They are fixtures for the collector's pairing and request
-shapes (tests/unit, bench/pairing.py); the live agents are tested against the real
-collector in tests/e2e/test_agents.py.
+shapes; the end-to-end tests drive the live agents against the real collector.
 
 The stand-in (this file) answers every API in its own shape, streamed or not, the way the
 provider would: `POST …/chat/completions`, `…/responses`, `…/messages` (and
@@ -26,12 +25,15 @@ which runs, per recording (the commands are in `AGENTS` below):
   `models.providers.rec` in `$HOME/.openclaw/openclaw.json`, two messages in one session:
   `openclaw agent --local --session-id S --message "…" --json`, twice. First message: a
   tool call (`exec`) and its follow-up; second: text.
-- `codex.jsonl`: `codex exec` with its default configuration plus a custom provider
-  (`wire_api = "responses"`), one task: a shell tool call and its follow-up. Codex's
+- `codex.jsonl`: `codex exec --skip-git-repo-check` with its default configuration (sandbox
+  read-only, approval never) plus a custom provider (`wire_api = "responses"`), one task: a
+  shell tool call (`exec_command`) and its follow-up. Codex's
   requests are refused by today's collector (a `namespace` tool, the built-in
   `web_search`), so this records what it sends, not what it is told.
-- `claude.jsonl`: `claude -p` with `ANTHROPIC_BASE_URL`, one task: a `Bash` tool call and
-  its follow-up.
+- `claude.jsonl`: `claude -p --allowedTools Bash` with `ANTHROPIC_BASE_URL`, one task: a
+  `Bash` tool call and its follow-up.
+
+The commands, configuration files and environment are those of tests/support/agents.py.
 
 One recording by hand: `python tests/data/agents/record.py --serve --port N --out F.jsonl
 --tool exec --args '{"command": "ls"}'`, then point an agent at http://127.0.0.1:N.
