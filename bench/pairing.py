@@ -32,7 +32,7 @@ generator process, as in bench/collector.py, at the same time: a burst of other 
 shared host hits all three alike), over `--rounds`, with `resend` and `openclaw`
 conversations (6 requests each, the last with X-Session-Done).
 
-    python bench/pairing.py [--sessions 200] [--concurrency 1,16] [--seconds 12] [--rounds 3]
+    python bench/pairing.py [--sessions 200] [--concurrency 1] [--seconds 12] [--rounds 3]
                             [--baseline f2d156e] [--no-latency]
 """
 
@@ -215,6 +215,7 @@ class Tally:
     false: int = 0
     refused: int = 0
     by: Counter[str] = field(default_factory=Counter)
+    seconds: list[float] = field(default_factory=list)  # per request: pairing work + its two Redis round trips
 
 
 class Today:
@@ -225,8 +226,12 @@ class Today:
         tmp = Path(tempfile.mkdtemp(prefix="bench-pairing-today-"))
         self.mods: dict[str, ModuleType] = {}
         for name in ("pairing", "pending_store"):
-            src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:services/collector/{name}.py"],
-                                 check=True, capture_output=True).stdout  # fmt: skip
+            got = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:services/collector/{name}.py"],
+                                 capture_output=True)  # fmt: skip
+            if got.returncode:
+                raise SystemExit(f"bench/pairing.py: the baseline {rev} is not in this clone ({got.stderr.decode().strip()}); "
+                                 "fetch the full history (git fetch --unshallow) or pass --baseline")  # fmt: skip
+            src = got.stdout
             path = tmp / f"today_{name}.py"
             path.write_bytes(src)
             spec = importlib.util.spec_from_file_location(f"today_{name}", path)
@@ -280,18 +285,21 @@ async def anchors_step(store: Any, msgs: list[Msg], step: Step, record: str, lin
     return Result(closed, rule, refused)
 
 
-async def run_shape(store: Any, today: ModuleType | None, shape: str, sessions: int, seed: int) -> Tally:
-    """Every session of `shape`, one step of each in turn, through the Redis scripts of a
-    rule (`today`'s pairing module, or None: this tree's); each follow-up's closed turns
-    checked against the one it should close."""
+async def run_shape(stores: tuple[Any, Any], today: ModuleType, shape: str, sessions: int,
+                    seed: int) -> tuple[Tally, Tally]:  # fmt: skip
+    """Every session of `shape`, one step of each in turn, each step through both rules'
+    Redis scripts (today's, then this tree's, or the other way round every other step, so
+    both meet the same load); each follow-up's closed turns checked against the one it
+    should close. Returns (today's tally, this tree's)."""
     from services.collector.capture import make_record
     from shared.chat import PromptCache
     from shared.schemas import Turn
 
     cache = PromptCache(text="x", ids=[1], cuts=[])
-    tally = Tally()
+    tallies = (Tally(), Tally())
     gens = [Session(f"{shape}-{k}", shape, random.Random(seed * 100_003 + k)).steps() for k in range(sessions)]
     labels: dict[str, str] = {}  # turn id -> label
+    n = 0
     while gens:
         for g in list(gens):
             step = next(g, None)
@@ -306,19 +314,24 @@ async def run_shape(store: Any, today: ModuleType | None, shape: str, sessions: 
             deadline = time.time() + 600
             record, lineage = make_record(turn, cache, deadline)
             msgs = normalize_messages(step.messages)
-            if today is None:
-                res = await anchors_step(store, msgs, step, record, lineage, deadline)
-            else:
-                res = await today_step(store, today, msgs, step, record, lineage, deadline)
-            closed = [labels[json.loads(r.split("\n", 2)[2])["id"]] for r in res.closed]
-            tally.refused += res.refused
-            if step.expect is not None:
-                tally.expected += 1
-                if step.expect in closed:
-                    tally.found += 1
-                    tally.by[res.rule or "?"] += 1
-            tally.false += sum(1 for c in closed if c != step.expect)
-    return tally
+            n += 1
+            for arm in ((0, 1) if n % 2 else (1, 0)):
+                t0 = time.perf_counter()
+                if arm == 0:
+                    res = await today_step(stores[0], today, msgs, step, record, lineage, deadline)
+                else:
+                    res = await anchors_step(stores[1], msgs, step, record, lineage, deadline)
+                tally = tallies[arm]
+                tally.seconds.append(time.perf_counter() - t0)
+                closed = [labels[json.loads(r.split("\n", 2)[2])["id"]] for r in res.closed]
+                tally.refused += res.refused
+                if step.expect is not None:
+                    tally.expected += 1
+                    if step.expect in closed:
+                        tally.found += 1
+                        tally.by[res.rule or "?"] += 1
+                tally.false += sum(1 for c in closed if c != step.expect)
+    return tallies
 
 
 SHAPES = ["resend", "openclaw", "system", "compaction", "retry", "crowd", "crowd-resend"]
@@ -334,18 +347,22 @@ async def quality(redis_url: str, sessions: int, rev: str) -> None:
           f"(crowd: {4 * sessions}), 6 requests each; today = {rev} (the prefix rule); anchors' "
           f"minimum {MIN_CHARS} bytes")  # fmt: skip
     print(f"{'shape':<13} | {'expected':>8} | {'today: found':>16} {'false':>5} | "
-          f"{'anchors: found':>16} {'false':>5} {'refused':>7} | anchors' pairs by rule")  # fmt: skip
+          f"{'anchors: found':>16} {'false':>5} {'refused':>7} | {'+µs':>5} | anchors' pairs by rule")  # fmt: skip
     try:
         for shape in SHAPES:
             n = 4 * sessions if shape.startswith("crowd") else sessions
             prefix = f"bench-pairing-{shape}-{os.getpid()}"
-            old = await run_shape(today.mods["pending_store"].PendingStore(client, Keys(prefix + "-today"), 600),
-                                  today.mods["pairing"], shape, n, 1)  # fmt: skip
-            new = await run_shape(PendingStore(client, Keys(prefix + "-anchors"), 600), None, shape, n, 1)
+            stores = (today.mods["pending_store"].PendingStore(client, Keys(prefix + "-today"), 600),
+                      PendingStore(client, Keys(prefix + "-anchors"), 600))  # fmt: skip
+            old, new = await run_shape(stores, today.mods["pairing"], shape, n, 1)
             by = ", ".join(f"{k} {v}" for k, v in new.by.most_common())
+            added = statistics.median(b - a for a, b in zip(old.seconds, new.seconds, strict=True)) * 1e6
             print(f"{shape:<13} | {old.expected:>8} | {old.found:>8} ({old.found / old.expected:>4.0%}) {old.false:>5} | "
-                  f"{new.found:>8} ({new.found / new.expected:>4.0%}) {new.false:>5} {new.refused:>7} | {by}",
-                  flush=True)  # fmt: skip
+                  f"{new.found:>8} ({new.found / new.expected:>4.0%}) {new.false:>5} {new.refused:>7} | "
+                  f"{added:>+5.0f} | {by}", flush=True)  # fmt: skip
+        print("(+µs: what a request's pairing work and its two Redis round trips — close, then store — take "
+              "more with anchors than today: the median of the per-request differences, the two rules "
+              "taking each request in turn in this process against the private redis-server)")
     finally:
         await client.aclose()
 
@@ -450,7 +467,9 @@ def latency(a: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-pairing-"))
     base = tmp / "baseline"
     base.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", a.baseline], check=True, capture_output=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", a.baseline], capture_output=True)
+    if archive.returncode:
+        raise SystemExit(f"bench/pairing.py: cannot archive the baseline {a.baseline}: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
     build_tokenizer(tmp / "tok")
     redis_server = RedisServer().start()
@@ -526,7 +545,7 @@ PROBES: list[float] = []
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=200, help="sessions per shape (crowd: 4x)")
-    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--concurrency", default="1", help="agents per arm, e.g. 1,4 (the three arms run at once)")
     p.add_argument("--seconds", type=float, default=12.0, help="per arm, split over --rounds")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--latency-ms", type=float, default=50.0)
