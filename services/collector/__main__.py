@@ -80,7 +80,7 @@ async def run(settings: CollectorSettings) -> None:
         engine = make_engine_client(
             cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
             connect_timeout=cfg.engine_connect_timeout_s, max_connections=cfg.engine_max_connections,
-            transport=lean, api_key=settings.internal.secret(),
+            transport=lean, api_key=settings.internal.secret(), adapters=cfg.engine_adapters,
         )  # fmt: skip
         stack.push_async_callback(engine.aclose)
         info: dict[str, Any] = {}

@@ -4,6 +4,7 @@
     NEXTSTATE_COLLECTOR__ENGINE_KIND=sglang     sglang (also our CPU engine) or vllm
     NEXTSTATE_COLLECTOR__ENGINE_URL=http://127.0.0.1:30000
     NEXTSTATE_COLLECTOR__ENGINE_TIMEOUT_S=120   no answer (or no next stream chunk) -> 504
+    NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS=false  true with LoRA versions: name the served adapter
     NEXTSTATE_COLLECTOR__API_KEYS=k1,k2         bearer keys (comma list or JSON list);
                                                 required when NEXTSTATE_ENV=prod
     NEXTSTATE_COLLECTOR__TOKENIZER=/models/x    default: the engine's /model_info tokenizer_path
@@ -72,6 +73,7 @@ class CollectorConfig(BaseModel):
     engine_timeout_s: float = Field(120.0, gt=0, description="per request / per stream chunk")
     engine_connect_timeout_s: float = Field(5.0, gt=0)
     engine_max_connections: int = Field(256, ge=1)
+    engine_adapters: bool = Field(False, description="the policy is served as LoRA adapters (nextstate up --lora): name the adapter the engine's weight version points at in every request (SGLang and vLLM serve the base model to requests that name none; our engine serves its newest adapter either way)")
     startup_timeout_s: float = Field(120.0, ge=0, description="wait this long for the engine at start")
     served_model_name: str | None = None  # default: the engine's served_model_name
     tokenizer: str | None = None  # default: the engine's /model_info tokenizer_path

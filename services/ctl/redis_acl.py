@@ -37,6 +37,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | ledger: EVALSHA HSETNX HINCRBY HEXISTS HGETALL SADD SCARD SISMEMBER EXPIRE SET GET DEL EXISTS ZADD ZSCORE ZREM ZRANGE | `P:session:*:samples`, `P:session:*:decisions`, `P:session:*:settled`, `P:buffer-counts`, `P:force-candidates`, `P:force-candidate:*`, `P:batched:*` |
 | | the run owning the prefix: SET GET | `P:run` |
 | | staleness: GET | `P:trainer-version` (read only) |
+| | what the archive holds on purpose (for `nextstate status`): HSET HDEL | `P:archive-state` (write only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | trainer | consume group `trainer` (as the judge's) | `P:batches`, `P:done:trainer:*` |
 | | announce a version: XADD / SET | `P:checkpoints` / `P:trainer-version` (write only) |
@@ -265,6 +266,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
                       k.episode_group("*"), k.chat_groups, k.chat_group("*"))),
             Grant(("set", "get"), _rw(k.run_owner)),
             Grant(("get",), _r(k.trainer_version)),
+            Grant(("hset", "hdel"), _w(k.archive_state)),
             _dead(k),
         ]
     if role == "trainer":

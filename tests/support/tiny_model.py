@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,28 @@ def build_tiny_model(
     model = (LlamaForCausalLM if sliding_window is None else MistralForCausalLM)(config)
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(str(path))
+    return path
+
+
+def build_tiny_adapter(model: str | Path, path: str | Path, seed: int = 1, rank: int = 4, std: float = 0.3) -> Path:
+    """A PEFT LoRA adapter folder for `model` (every linear layer), with random A and B so
+    that it changes the model's outputs (a fresh adapter's B is zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    with warnings.catch_warnings():  # peft probes an attribute transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                                     task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    peft_model.save_pretrained(str(path))
     return path
 
 
