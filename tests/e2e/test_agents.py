@@ -3,7 +3,7 @@
 Installed by `make agents` (tests/support/agents.py), unchanged, each in a private HOME with
 its telemetry and update checks off, against the collector in front of our CPU engine on
 the agent model of tests/support/agent_model.py (a 32k context that holds their default
-prompts; trained on the spot, ~1 min, to call Codex's and Claude Code's shell tools). Turns are read
+prompts; trained on the spot, 1-2 min, to call Codex's and Claude Code's shell tools). Turns are read
 back from the collector's `turns` stream in this session's Redis.
 
 - OpenClaw's default setup (its full system prompt and tools, ~12k tokens here), two
@@ -37,7 +37,14 @@ import pytest
 
 from shared.schemas import Turn
 from tests.support import agents as A
-from tests.support.agent_model import ANSWER, CLAUDE_TASK, CODEX_TASK, CONTEXT, build_agent_model
+from tests.support.agent_model import (
+    ANSWER,
+    CLAUDE_TASK,
+    CODEX_TASK,
+    CONTEXT,
+    REPLY,
+    build_agent_model,
+)
 from tests.support.collector_harness import Turns, collector_process, engine_process, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -124,9 +131,10 @@ def test_openclaw_default_setup_pairs_its_second_message(
     two = A.openclaw_turn(home, session, second, cwd=workspace)
     _ran(two, "openclaw turn 2")
     took = time.monotonic() - t0
-    for run in (one, two):
+    for run in (one, two):  # the model's answer reached the user as it was sampled
         out = json.loads(run.stdout)
-        assert out["meta"]["finalAssistantVisibleText"], out
+        assert out["meta"]["finalAssistantVisibleText"] == REPLY, out["meta"]
+
     # Turn 1 is closed by the request of message 2 (before that request reaches the engine).
     def first_turns(ts: list[Turn]) -> list[Turn]:
         return [t for t in _containing(ts, first) if not any(second in _text(m) for m in t.messages)]
