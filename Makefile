@@ -43,8 +43,9 @@ $(VLLM_STAMP): $(VLLM_REQS)
 
 # OpenClaw, the Codex CLI and Claude Code, installed from the registries only (npm ci from the
 # lock: the exact versions, every dependency too); no global install, npm's cache in
-# $(AGENTS)/npm-cache. About 35 s cold and 1.5 GB here; skipped while the stamp is newer than
-# the lock. The check at the end runs each binary's --version under this Node.
+# $(AGENTS)/npm-cache. About 30 s cold on a quiet host here (2.5 min on a loaded one), 2.2 GB
+# with the cache; skipped while the stamp is newer than the lock. The check at the end runs
+# each binary's --version under this Node.
 agents: $(AGENTS_STAMP)
 
 $(AGENTS_STAMP): $(AGENTS_LOCK)

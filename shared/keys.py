@@ -123,6 +123,16 @@ class Keys:
         """Set once a turn's sample is in a published batch: never batched twice."""
         return f"{self.prefix}:batched:{turn_id}"
 
+    # -- `nextstate import --watch` (services/ctl/import_watch.py) ---------------------
+    def import_offsets(self, watch: str) -> str:
+        """Hash file identity (`<device>:<inode>`) -> JSON {offset, line, head, path, at}: how
+        far each file of a watched directory was forwarded (committed once the buffer took it)."""
+        return f"{self.prefix}:import:{watch}:offsets"
+
+    def import_lock(self, watch: str) -> str:
+        """JSON {host, pid, token}, with a TTL the watcher renews: the one importer of a watch."""
+        return f"{self.prefix}:import:{watch}:lock"
+
     # -- policy versions ------------------------------------------------------------
     @property
     def policy_version(self) -> str:

@@ -5,6 +5,7 @@ tests/data/agents/record.py recorded them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,6 @@ from services.collector.responses_request import build_responses_call, parse_res
 from services.collector.settings import CollectorConfig
 from shared.chat import ChatTemplate
 from tests.support.agents import recording
-from tests.support.tiny_model import build_tokenizer
 
 
 def recorded(name: str, i: int = 0) -> dict[str, Any]:
@@ -47,10 +47,8 @@ def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
-    path = tmp_path_factory.mktemp("tiny-tok")
-    build_tokenizer(path)
-    return ChatTemplate.from_pretrained(path)
+def tiny(tiny_tokenizer: Path) -> ChatTemplate:
+    return ChatTemplate.from_pretrained(tiny_tokenizer)
 
 
 # -- the Codex CLI (Responses API) --------------------------------------------------------------

@@ -14,17 +14,27 @@ from services.collector.completion import ChatService
 from services.collector.request import make_call
 from services.collector.settings import CollectorConfig
 from shared.chat import ChatTemplate
-from tests.support.tiny_model import build_tokenizer
-from tests.unit.test_chat import TOOLS, smol
+from tests.unit.test_chat import TOOLS
 
-__all__ = ["smol"]  # the SmolLM2 fixture of test_chat.py, used here
+# SmolLM2-135M-Instruct's own template (role and content of each message, nothing else):
+# the real one is checked in test_chat.py (test_smollm2_renders_no_tools).
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
-    path = tmp_path_factory.mktemp("tiny-tok")
-    build_tokenizer(Path(path))
-    return ChatTemplate.from_pretrained(path)
+def tiny(tiny_tokenizer: Path) -> ChatTemplate:
+    return ChatTemplate.from_pretrained(tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def smol(tiny_tokenizer: Path) -> ChatTemplate:
+    """A template that writes no tools, as SmolLM2's."""
+    return ChatTemplate.from_pretrained(tiny_tokenizer, chat_template=PLAIN_TEMPLATE)
 
 
 def test_which_templates_render_tools(smol: ChatTemplate, tiny: ChatTemplate) -> None:
