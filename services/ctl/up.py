@@ -7,8 +7,11 @@ write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
 each other nor the engine: the engine (ours, or with `--engine vllm` /
 NEXTSTATE_ENGINE__KIND=vllm the real vLLM from its own venv, `make vllm`, started as
 shared/vllm_engine.py says; the collector, judge and watcher then speak vLLM's API to it,
-the evaluation engine stays ours), buffer, trainer and the evaluation engine (a second
-engine on the same model that loads candidates, `eval-engine`); then, at once, what talks
+the evaluation engine stays ours), buffer, trainer, the evaluation engine (a second
+engine on the same model that loads candidates, `eval-engine`) and, with `--judge-model
+PATH|policy`, the judge model's engine (`judge-model`: ours, or vLLM with `--engine vllm`;
+`policy` serves the policy's base weights, on this engine of its own, never the serving
+one: judging neither slows the users nor sees a trained policy); then, at once, what talks
 to those: collector, judge ×N, watcher and the evaluator, which evaluates each committed
 version on the evaluation engine (suites `demo` and `drift`, plus `simulated-user` played
 by the judge model when NEXTSTATE_JUDGE__URL is set, and `env:<name>` for each
@@ -19,7 +22,7 @@ cores (`bench/up_start.py`). Logs are prefixed with the service name; Ctrl-C sto
 everything, a group at a time in reverse.
 
 Degrade, never fall: Redis, the bucket, the engine and the collector are the serving
-path, and `up` fails if one of them cannot start. The training side (judges, buffer,
+path, and `up` fails if one of them cannot start. The training side (judges, judge-model engine, buffer,
 trainer, watcher, evaluation engine, evaluator, envs workers) may fail to start or keep crashing: it is
 restarted with backoff,
 forever, and shown in `nextstate status` (the supervisor writes each process's state
@@ -48,7 +51,8 @@ The stack record `<home>/up/<run>/stack.json` says what runs where, for the CLI:
 `"stopped": true` when `up` exits. It holds no secrets.
 
 Every `NEXTSTATE_*` variable in the environment still applies to the services (it wins
-over the defaults chosen here); the flags below win over both.
+over the defaults chosen here); the flags below win over both (`--judge-model` sets the
+judges' URL, model name and key: the judge-model engine's, with the internal token).
 """
 
 from __future__ import annotations
@@ -79,7 +83,14 @@ from shared.settings import Settings, load_settings
 from shared.vllm_engine import EngineChoiceSettings, VLLMLaunch
 
 PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "trainer": 9103,
-         "watcher": 9104, "eval-engine": 30001, "evaluator": 9105, "envs": 9106, "redis": 6390, "s3": 8333}
+         "watcher": 9104, "eval-engine": 30001, "judge-model": 30002, "evaluator": 9105, "envs": 9106,
+         "redis": 6390, "s3": 8333}
+JUDGE_SERVED_NAME = "judge"  # the judge-model engine's model name (NEXTSTATE_JUDGE__MODEL)
+# The judges' defaults with a judge model of the stack's own, on CPU (their NEXTSTATE_JUDGE__*
+# win): turns in flight × votes within the engine's 16 running and its queue, answers of a
+# few sentences and a box, and time for them at a few tokens per second on shared cores.
+LOCAL_JUDGE = {"NEXTSTATE_JUDGE__CONCURRENCY": "8", "NEXTSTATE_JUDGE__MAX_TOKENS": "256",
+               "NEXTSTATE_JUDGE__TIMEOUT_S": "180"}
 
 
 def register(sub: Any) -> None:
@@ -114,6 +125,10 @@ def register(sub: Any) -> None:
     p.add_argument("--engine", choices=["cpu", "vllm"], default=None,
                    help="the serving engine: cpu (ours, the default) or vllm (its CPU build, from "
                         "`make vllm`; NEXTSTATE_ENGINE__KIND)")
+    p.add_argument("--judge-model", metavar="PATH|policy", default=None,
+                   help="serve a judge model (the PRM, the hints, the lessons) on an engine of its own "
+                        "(`judge-model`: ours, or vLLM with --engine vllm) and point the judges at it: an "
+                        "HF folder, or `policy` for the policy's base weights (never the serving engine)")
     p.add_argument("--gate", action="store_true",
                    help="serve a version only once its evaluations pass (NEXTSTATE_GATE__ENABLED)")
     p.set_defaults(func=main)
@@ -167,6 +182,11 @@ def main(args: argparse.Namespace) -> int:
     if not (model / "config.json").is_file():
         print(f"nextstate up: {model} is not an HF model folder (no config.json)", file=sys.stderr)
         return 1
+    judge_model = judge_model_path(args.judge_model, model)
+    if judge_model is not None and not (judge_model / "config.json").is_file():
+        print(f"nextstate up: --judge-model {judge_model} is not an HF model folder (no config.json); "
+              "give an HF folder, or `policy` for the policy's base weights", file=sys.stderr)
+        return 1
     try:
         choice = load_settings(EngineChoiceSettings).engine
         if args.engine is not None:
@@ -180,6 +200,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"nextstate up: {exc}", file=sys.stderr)
         return 1
     return asyncio.run(up(args, model))
+
+
+def judge_model_path(flag: str | None, model: Path) -> Path | None:
+    """`--judge-model`'s folder: `policy` is the policy's base model `model`; None without it."""
+    if flag is None:
+        return None
+    return model if flag == "policy" else Path(flag).expanduser().resolve()
 
 
 def _python(module: str, *args: str) -> list[str]:
@@ -323,9 +350,10 @@ class Stack:
 
     def service(self, name: str, module: str, env: dict[str, str], ready_path: str, port_var: str,
                 preferred: int, *, serving_path: bool = False, ready_timeout_s: float = 180.0,
-                fixed: int | None = None) -> Proc:
+                fixed: int | None = None, forced: dict[str, str] | None = None) -> Proc:
         """`python -m module` listening on the port named by `port_var` (the user's own
-        value of that variable fixes the port)."""
+        value of that variable fixes the port). `forced`: what a flag chose, over the user's
+        own NEXTSTATE_* settings too."""
         if port_var in os.environ:
             fixed = int(os.environ[port_var])
 
@@ -333,6 +361,7 @@ class Stack:
             merged = {**self.env, **self.redis_env(name), **env, port_var: str(port)}
             # The user's own NEXTSTATE_* settings win over the defaults chosen here.
             merged = {k: v for k, v in merged.items() if k not in os.environ or k in self.env}
+            merged.update(forced or {})
             return Proc(name, _python(module), env=merged, ready=http_ready(f"http://127.0.0.1:{port}{ready_path}"),
                         ready_timeout_s=ready_timeout_s, serving_path=serving_path, port=port)
 
@@ -358,7 +387,8 @@ class Stack:
             return Proc("engine", argv, env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, serving_path=True, port=port)
 
-        method = mode_env(a.mode, a.topk, "NEXTSTATE_JUDGE__URL" in os.environ)
+        judge_model = judge_model_path(getattr(a, "judge_model", None), model)
+        method = mode_env(a.mode, a.topk, judge_model is not None or "NEXTSTATE_JUDGE__URL" in os.environ)
         buffer = self.service("buffer", "services.buffer", {
             **method["buffer"],
             "NEXTSTATE_BUFFER__BATCH_SIZE": str(a.batch_size),
@@ -382,27 +412,39 @@ class Stack:
         evaluating = not a.no_train and not a.no_eval
         if evaluating:  # the evaluation engine needs nothing but the model either
             first.append(self.movable("eval-engine", PORTS["eval-engine"], self.eval_engine(m)))
+        if judge_model is not None:
+            first.append(self.movable("judge-model", PORTS["judge-model"], self.judge_engine(judge_model, vllm)))
         # Nothing in this group needs another's readiness: they start at once.
         await self.sup.start_together(first)
         engine = self.url("engine")  # final: every process started from here on is built with it
         kind = "vllm" if vllm is not None else "sglang"  # the API the clients speak to it
+        judge_defaults, judge_forced = {}, {}
+        if judge_model is not None:  # the judges use the judge-model engine, whatever the environment says
+            judge_url = self.url("judge-model")
+            # its chat template, for BACKEND=sglang (VERDICT_GRAMMAR: our engine's /generate)
+            judge_defaults = {**LOCAL_JUDGE, "NEXTSTATE_JUDGE__JUDGE_TOKENIZER": str(judge_model)}
+            judge_forced = {"NEXTSTATE_JUDGE__URL": judge_url, "NEXTSTATE_JUDGE__JUDGE_ENGINE_URL": judge_url,
+                            "NEXTSTATE_JUDGE__MODEL": JUDGE_SERVED_NAME}
+            if os.environ.get("NEXTSTATE_JUDGE__URL"):
+                self.sup.say("up", f"--judge-model: the judges use {judge_url}, not NEXTSTATE_JUDGE__URL")
         second = [self.service("collector", "services.collector", {
             "NEXTSTATE_COLLECTOR__ENGINE_URL": engine,
             "NEXTSTATE_COLLECTOR__ENGINE_KIND": kind,
             "NEXTSTATE_COLLECTOR__TOKENIZER": m,
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
         }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port)]
-        judge = a.judge or ("prm" if "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
+        judge = a.judge or ("prm" if judge_model is not None or "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
         for i in range(a.judges):
             second.append(self.service(f"judge-{i}", "services.judge", {
                 "NEXTSTATE_JUDGE__TYPE": judge,
                 **method["judge"],
                 "NEXTSTATE_JUDGE__URL": engine,
+                **judge_defaults,
                 "NEXTSTATE_JUDGE__ENGINE_URL": engine,
                 "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
                 "NEXTSTATE_JUDGE__TOKENIZER": m,
                 "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
-            }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i))
+            }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i, forced=judge_forced))
         if not a.no_train:
             watcher_env = {
                 "NEXTSTATE_WATCHER__ENGINE_URL": engine,
@@ -452,6 +494,25 @@ class Stack:
             return Proc("eval-engine", _python("services.engine", "--model", m, "--port", str(port),
                                                "--tool-call-parser", parser),
                         env=dict(self.env), ready=http_ready(f"http://127.0.0.1:{port}/health"),
+                        ready_timeout_s=600, port=port)
+
+        return build
+
+    def judge_engine(self, judge_model: Path, vllm: VLLMLaunch | None) -> Callable[[int], Proc]:
+        """The judge model's engine (`--judge-model`): ours, or vLLM like the serving engine,
+        serving `judge_model` as `judge`. A process of its own even for the policy's base
+        weights: judging never queues behind the users' requests, and this engine is never
+        hot-reloaded, so it never judges with a trained policy. Training side: the serving
+        path neither waits for it nor falls with it (the judges wait, their turns retried)."""
+
+        def build(port: int) -> Proc:
+            argv = _python("services.engine", "--model", str(judge_model), "--port", str(port),
+                           "--served-model-name", JUDGE_SERVED_NAME)
+            env = dict(self.env)
+            if vllm is not None:
+                argv, extra = vllm.command(judge_model, port, served_name=JUDGE_SERVED_NAME)
+                env.update(extra)
+            return Proc("judge-model", argv, env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, port=port)
 
         return build
