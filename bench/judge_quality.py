@@ -23,8 +23,9 @@ model (the closed-loop test's setup: vowel task, lr 2e-3, batch 8, evaluation on
 held-out `demo` suite on the vowel task) with the plugin judge `noisy_rule` below: the
 rule judge's verdict, flipped with probability 1 − a (per turn, stable across
 redeliveries). `nextstate demo --task vowel` runs for --turns answers; reported per
-accuracy a: the demo's success rate over the first 150 answers and the last 300,
-versions trained, and the held-out `demo` score of the first and the last version.
+accuracy a: the demo's success rate of the base policy (v0's answers), over the first
+150 answers and the last 300, versions trained, and the held-out `demo` score (48
+questions at temperature 0) averaged over the first 10 and the last 10 versions evaluated.
 Arms run one after the other (each a stack of its own).
 
     python bench/judge_quality.py agreement [--turns 60] [--votes 3] [--max-tokens 256]
@@ -40,6 +41,7 @@ import json
 import os
 import random
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -244,14 +246,15 @@ def loop_arm(model: Path, accuracy: float, turns: int, minutes: float, home: Pat
     finally:
         stack.stop()
     rows = summary["by_version"]
+    base = next((row for row in rows if row["version"] == "0"), {"turns": 0, "success_rate": 0.0})
     early, n_early = demo_rate(rows, True, 150)
     late, n_late = demo_rate(rows, False, 300)
-    versions = sorted(demo_scores)
-    return {"accuracy": accuracy, "answers": summary["turns"], "early": early, "n_early": n_early, "late": late,
-            "n_late": n_late, "versions": trained,
-            "held_out_first": demo_scores[versions[0]] if versions else None, "first_version": versions[0] if versions else None,
-            "held_out_last": demo_scores[versions[-1]] if versions else None, "last_version": versions[-1] if versions else None,
-            "held_out_best": max(demo_scores.values()) if demo_scores else None}
+    curve = [demo_scores[v] for v in sorted(demo_scores)]
+    return {"accuracy": accuracy, "answers": summary["turns"], "base": base["success_rate"], "n_base": base["turns"],
+            "early": early, "n_early": n_early, "late": late, "n_late": n_late, "versions": trained,
+            "evaluated": len(curve), "held_out_first10": statistics.mean(curve[:10]) if curve else None,
+            "held_out_last10": statistics.mean(curve[-10:]) if curve else None,
+            "held_out": {str(v): demo_scores[v] for v in sorted(demo_scores)}}
 
 
 def loop(args: argparse.Namespace) -> int:
@@ -264,14 +267,13 @@ def loop(args: argparse.Namespace) -> int:
         print(f"# accuracy {a}: {load()}", flush=True)
         rows.append(loop_arm(model, a, args.turns, args.minutes, work))
         print(f"#   {json.dumps(rows[-1])}", flush=True)
-    print(f"\n{'accuracy':>8} {'answers':>7} {'first 150':>9} {'last 300':>9} {'versions':>8} "
-          f"{'held-out demo: first -> last (best)':>36}")
+    print(f"\n{'accuracy':>8} {'answers':>7} {'v0 (n)':>10} {'first 150':>9} {'last 300':>9} {'versions':>8} "
+          f"{'held-out demo, first 10 -> last 10 evaluated':>45}")
     for r in rows:
-        held = ("-" if r["held_out_first"] is None else
-                f"v{r['first_version']} {r['held_out_first']:.2f} -> v{r['last_version']} {r['held_out_last']:.2f} "
-                f"({r['held_out_best']:.2f})")
-        print(f"{r['accuracy']:>8.2f} {r['answers']:>7} {r['early']:>9.0%} {r['late']:>9.0%} {r['versions']:>8} "
-              f"{held:>36}")
+        held = ("-" if r["held_out_first10"] is None else
+                f"{r['held_out_first10']:.2f} -> {r['held_out_last10']:.2f} ({r['evaluated']} versions)")
+        print(f"{r['accuracy']:>8.2f} {r['answers']:>7} {r['base']:>4.0%} ({r['n_base']:>3}) {r['early']:>9.0%} "
+              f"{r['late']:>9.0%} {r['versions']:>8} {held:>45}")
     print(f"\n# {load()} at the end")
     print(f"# python bench/judge_quality.py loop --accuracy {' '.join(map(str, args.accuracy))} "
           f"--turns {args.turns} --minutes {args.minutes}")

@@ -11,7 +11,8 @@ the evaluation engine stays ours), buffer, trainer, the evaluation engine (a sec
 engine on the same model that loads candidates, `eval-engine`) and, with `--judge-model
 PATH|policy`, the judge model's engine (`judge-model`: ours, or vLLM with `--engine vllm`;
 `policy` serves the policy's base weights, on this engine of its own, never the serving
-one: judging neither slows the users nor sees a trained policy); then, at once, what talks
+one: judging neither slows the users nor sees a trained policy; nothing else waits for it,
+and the judges start once it answers); then, at once, what talks
 to those: collector, judge ×N, watcher and the evaluator, which evaluates each committed
 version on the evaluation engine (suites `demo` and `drift`, plus `simulated-user` played
 by the judge model when NEXTSTATE_JUDGE__URL is set, and `env:<name>` for each
@@ -102,8 +103,8 @@ def register(sub: Any) -> None:
     p.add_argument("--envs", type=int, default=0,
                    help="environment worker processes: episodes run in parallel (`nextstate envs run`)")
     p.add_argument("--judge", default=None,
-                   help="prm | rule | rule+prm | module:callable (default: prm when "
-                        "NEXTSTATE_JUDGE__URL is set, else rule)")
+                   help="prm | rule | rule+prm | module:callable (default: prm with --judge-model or "
+                        "NEXTSTATE_JUDGE__URL, else rule)")
     p.add_argument("--mode", choices=list(MODES), default="rl",
                    help="the learning method (docs/methods.md): rl (judge reward), opd (hint teacher, "
                         "advantage teacher - behaviour), opd-topk (hint teacher, top-K distillation), "
@@ -263,6 +264,7 @@ class Stack:
         self.bucket_endpoint = settings.bucket.endpoint
         self.started_at = time.time()
         self._recorded: object = None
+        self.background: list[asyncio.Task[Any]] = []  # starts nothing on the serving path waits for
 
     # -- ports -----------------------------------------------------------------------------
     def pick(self, name: str, preferred: int) -> int:
@@ -412,39 +414,25 @@ class Stack:
         evaluating = not a.no_train and not a.no_eval
         if evaluating:  # the evaluation engine needs nothing but the model either
             first.append(self.movable("eval-engine", PORTS["eval-engine"], self.eval_engine(m)))
+        # The judge model's engine starts beside them but nothing on the serving path waits for
+        # it (a large model may load for minutes): the judges follow it on their own.
+        judging = None
         if judge_model is not None:
-            first.append(self.movable("judge-model", PORTS["judge-model"], self.judge_engine(judge_model, vllm)))
+            judge_engine = self.movable("judge-model", PORTS["judge-model"], self.judge_engine(judge_model, vllm))
+            judging = asyncio.create_task(self.sup.start_together([judge_engine]), name="start-judge-model")
+            self.background.append(judging)
         # Nothing in this group needs another's readiness: they start at once.
         await self.sup.start_together(first)
         engine = self.url("engine")  # final: every process started from here on is built with it
         kind = "vllm" if vllm is not None else "sglang"  # the API the clients speak to it
-        judge_defaults, judge_forced = {}, {}
-        if judge_model is not None:  # the judges use the judge-model engine, whatever the environment says
-            judge_url = self.url("judge-model")
-            # its chat template, for BACKEND=sglang (VERDICT_GRAMMAR: our engine's /generate)
-            judge_defaults = {**LOCAL_JUDGE, "NEXTSTATE_JUDGE__JUDGE_TOKENIZER": str(judge_model)}
-            judge_forced = {"NEXTSTATE_JUDGE__URL": judge_url, "NEXTSTATE_JUDGE__JUDGE_ENGINE_URL": judge_url,
-                            "NEXTSTATE_JUDGE__MODEL": JUDGE_SERVED_NAME}
-            if os.environ.get("NEXTSTATE_JUDGE__URL"):
-                self.sup.say("up", f"--judge-model: the judges use {judge_url}, not NEXTSTATE_JUDGE__URL")
         second = [self.service("collector", "services.collector", {
             "NEXTSTATE_COLLECTOR__ENGINE_URL": engine,
             "NEXTSTATE_COLLECTOR__ENGINE_KIND": kind,
             "NEXTSTATE_COLLECTOR__TOKENIZER": m,
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
         }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port)]
-        judge = a.judge or ("prm" if judge_model is not None or "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
-        for i in range(a.judges):
-            second.append(self.service(f"judge-{i}", "services.judge", {
-                "NEXTSTATE_JUDGE__TYPE": judge,
-                **method["judge"],
-                "NEXTSTATE_JUDGE__URL": engine,
-                **judge_defaults,
-                "NEXTSTATE_JUDGE__ENGINE_URL": engine,
-                "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
-                "NEXTSTATE_JUDGE__TOKENIZER": m,
-                "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
-            }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i, forced=judge_forced))
+        if judging is None:
+            second += self.judges(method["judge"], engine, kind, m)
         if not a.no_train:
             watcher_env = {
                 "NEXTSTATE_WATCHER__ENGINE_URL": engine,
@@ -459,8 +447,55 @@ class Stack:
                                        "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
         if evaluating:
             second.append(self.evaluator(m))
+        if judging is not None:
+            assert judge_model is not None
+            self.background.append(asyncio.create_task(
+                self._judges_after(judging, judge_model, method["judge"], engine, kind, m), name="start-judges"))
         await self.sup.start_together(second)
         await self.environments()  # through the collector (and on the evaluation engine)
+
+    def judges(self, mode: dict[str, str], engine: str, kind: str, m: str, judge_model: Path | None = None
+               ) -> list[Proc]:
+        """The judge workers; with `judge_model` they use the judge-model engine (started)."""
+        a = self.args
+        defaults: dict[str, str] = {}
+        forced: dict[str, str] = {}
+        if judge_model is not None:  # the judge-model engine, whatever the environment says
+            judge_url = self.url("judge-model")
+            # its chat template, for BACKEND=sglang (VERDICT_GRAMMAR: our engine's /generate)
+            defaults = {**LOCAL_JUDGE, "NEXTSTATE_JUDGE__JUDGE_TOKENIZER": str(judge_model)}
+            forced = {"NEXTSTATE_JUDGE__URL": judge_url, "NEXTSTATE_JUDGE__JUDGE_ENGINE_URL": judge_url,
+                      "NEXTSTATE_JUDGE__MODEL": JUDGE_SERVED_NAME}
+            if os.environ.get("NEXTSTATE_JUDGE__URL"):
+                self.sup.say("up", f"--judge-model: the judges use {judge_url}, not NEXTSTATE_JUDGE__URL")
+        judge = a.judge or ("prm" if judge_model is not None or "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
+        return [self.service(f"judge-{i}", "services.judge", {
+            "NEXTSTATE_JUDGE__TYPE": judge,
+            **mode,
+            "NEXTSTATE_JUDGE__URL": engine,
+            **defaults,
+            "NEXTSTATE_JUDGE__ENGINE_URL": engine,
+            "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
+            "NEXTSTATE_JUDGE__TOKENIZER": m,
+            "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
+        }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i, forced=forced) for i in range(a.judges)]
+
+    async def _judges_after(self, judging: asyncio.Task[list[bool]], judge_model: Path, mode: dict[str, str],
+                            engine: str, kind: str, m: str) -> None:
+        """The judges, once the judge-model engine answers or was given to the restart loop:
+        built from its final port, and started without the serving path waiting for them."""
+        await judging
+        await self.sup.start_together(self.judges(mode, engine, kind, m, judge_model))
+
+    async def settled(self) -> None:
+        """Wait for what starts beside the serving path (`--judge-model`'s engine and judges)."""
+        for task in list(self.background):
+            await task
+
+    async def cancel_background(self) -> None:
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
 
     async def environments(self) -> None:
         """`--envs P` environment workers (rq, one episode each at a time), agents of the
@@ -677,5 +712,6 @@ async def up(args: argparse.Namespace, model: Path) -> int:
         for task in (starting, stopped):
             task.cancel()
         await asyncio.gather(starting, stopped, return_exceptions=True)
+        await stack.cancel_background()
         await stack.sup.stop()
         stack.write_record(stopped=True)

@@ -95,7 +95,7 @@ def test_a_real_model_judges_the_prm_path(smollm2: Path, tmp_path: Path, unique:
     up_s = time.monotonic() - started
     try:
         services = stack.record()["services"]
-        engine, judge_engine, judge = (services[n]["url"] for n in ("engine", "judge-model", "judge-0"))
+        engine, judge_engine = (services[n]["url"] for n in ("engine", "judge-model"))
         auth = stack.internal_headers()
         with httpx.Client(timeout=60) as http:
             assert http.get(f"{judge_engine}/health").status_code == 200  # the open probe
@@ -141,6 +141,7 @@ def test_a_real_model_judges_the_prm_path(smollm2: Path, tmp_path: Path, unique:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompt_tokens += VOTES * len(tokenizer.encode(str(text), add_special_tokens=False))
 
+        judge = stack.record()["services"]["judge-0"]["url"]  # started once the judge model answered
         with httpx.Client(timeout=30, headers=auth) as http:
             judging = http.get(f"{judge_engine}/metrics").text
             serving = http.get(f"{engine}/metrics").text

@@ -52,6 +52,7 @@ async def groups(tmp_path: Path, *argv: str) -> tuple[dict[str, Proc], list[list
     recorder = Recorder(out=io.StringIO())
     stack = Stack(args, load_settings(Settings), recorder)
     await stack.services(tmp_path / "model")
+    await stack.settled()
     return {p.name: p for p in stack.sup.procs}, recorder.started
 
 
@@ -156,7 +157,11 @@ async def test_judge_model_gets_an_engine_of_its_own(tmp_path: Path, monkeypatch
     NEXTSTATE_JUDGE__URL in the environment — and keep the policy engine for teacher log-probs."""
     monkeypatch.setenv("NEXTSTATE_JUDGE__URL", "https://hosted.example/v1")
     procs, started = await groups(tmp_path / "a", "--judge-model", "policy", "--judges", "2")
-    assert started[0] == ["engine", "buffer", "trainer", "eval-engine", "judge-model"]
+    # Beside the serving path, which never waits for them: the judge-model engine, then the judges.
+    assert sorted(map(tuple, started)) == sorted([("judge-model",), ("engine", "buffer", "trainer", "eval-engine"),
+                                                   ("collector", "watcher", "evaluator"), ("judge-0", "judge-1")])
+    assert started.index(["judge-model"]) < started.index(["judge-0", "judge-1"])
+    assert started.index(["engine", "buffer", "trainer", "eval-engine"]) < started.index(["judge-0", "judge-1"])
     engine, judging = procs["engine"], procs["judge-model"]
     assert judging.argv[-6:] == ["--model", str(tmp_path / "a" / "model"), "--port", str(judging.port),
                                  "--served-model-name", "judge"]  # fmt: skip
@@ -193,6 +198,7 @@ async def test_judge_model_on_vllm(tmp_path: Path) -> None:
     args.vllm = VLLMLaunch(python="/v/bin/python", threads=1)
     stack = Stack(args, load_settings(Settings), Recorder(out=io.StringIO()))
     await stack.services(tmp_path / "model")
+    await stack.settled()
     procs = {p.name: p for p in stack.sup.procs}
     argv = procs["judge-model"].argv
     assert argv[:3] == ["/v/bin/python", "-m", "services.vllm"]
@@ -211,3 +217,26 @@ def test_judge_model_must_be_a_model_folder(tmp_path: Path, capsys: pytest.Captu
     assert args.func(args) == 1
     err = capsys.readouterr().err
     assert f"--judge-model {tmp_path / 'nope'} is not an HF model folder" in err
+
+
+async def test_the_serving_path_never_waits_for_the_judge_model(tmp_path: Path) -> None:
+    """A judge-model engine that takes its time (a large model loading): the collector starts
+    and `services` returns while it is still starting; the judges follow once it is up."""
+    import asyncio
+
+    release = asyncio.Event()
+
+    class SlowJudgeModel(Recorder):
+        async def start_together(self, procs: Sequence[Proc]) -> list[bool]:
+            if [p.name for p in procs] == ["judge-model"]:
+                await release.wait()
+            return await super().start_together(procs)
+
+    args = build_parser().parse_args(["up", "--home", str(tmp_path), "--judge-model", "policy", "--no-train"])
+    recorder = SlowJudgeModel(out=io.StringIO())
+    stack = Stack(args, load_settings(Settings), recorder)
+    await asyncio.wait_for(stack.services(tmp_path / "model"), 10)
+    assert recorder.started == [["engine", "buffer"], ["collector"]]  # serving, no judge model yet
+    release.set()
+    await asyncio.wait_for(stack.settled(), 10)
+    assert recorder.started[2:] == [["judge-model"], ["judge-0"]]
