@@ -61,6 +61,12 @@ stretches never contain a cut point, so a prefix is reused only when the client 
 before the cut are the same too (the same text with other owners, e.g. a user message
 spelling out the next turn, has other ids).
 
+What the template renders is probed once per template: whether it writes tools at all
+(`renders_tools`: SmolLM2's ignores them; the collector says so) and whether it writes a
+system message that is not the first (`renders_late_system`); where it does not, such a
+message (a Claude Code environment entry, a later developer message) is rendered as a
+user message, so the model reads it rather than losing it.
+
 `PromptCache` is small and JSON-serializable (the collector keeps it in Redis next to
 the pending turn): the rendered text, its ids, the cut points as (character offset
 just after a cut token, number of ids up to and including it), and the client spans
@@ -271,6 +277,42 @@ class ChatTemplate:
             ) from None
         return Rendering(text, tuple(locate_client_text(text, masked_text, masked)))
 
+    # -- what the template renders (probed once) ----------------------------------------
+
+    def _probe(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str | None:
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)  # fmt: skip
+        except Exception:  # a template that raises on the probe renders none of it
+            return None
+        return text if isinstance(text, str) else None
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template writes the tools it is given (SmolLM2's ignores them):
+        a conversation rendered with a tool differs from the same without."""
+        msgs = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "nextstate_probe", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+        with_tools, without = self._probe(msgs, [tool]), self._probe(msgs)
+        return with_tools is not None and with_tools != without
+
+    @functools.cached_property
+    def renders_late_system(self) -> bool:
+        """Whether the template writes a system message that is not the first message
+        (many write only messages[0]'s, and skip or refuse the others)."""
+        probe = "nextstate-probe-late-system"
+        text = self._probe([{"role": "user", "content": "hi"}, {"role": "system", "content": probe},
+                            {"role": "user", "content": "go"}])  # fmt: skip
+        return text is not None and probe in text
+
+    def _late_system_as_user(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """System messages after the first, as user messages, for a template that would
+        drop or refuse them (`renders_late_system`): the model reads them either way."""
+        if not any(m["role"] == "system" for m in msgs[1:]) or self.renders_late_system:
+            return msgs
+        return [msgs[0], *({**m, "role": "user"} if m["role"] == "system" else m for m in msgs[1:])]
+
     def _apply(
         self,
         msgs: list[dict[str, Any]],
@@ -278,6 +320,7 @@ class ChatTemplate:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any],
     ) -> str:
+        msgs = self._late_system_as_user(msgs)
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs,

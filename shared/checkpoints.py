@@ -5,7 +5,16 @@ follows `LATEST` never sees a partial version. Readers download into a staging f
 next to the destination, check every file's size and sha256 against the manifest, and
 only then rename the folder into place: a bad download leaves nothing behind.
 
-    policies/<run>/v000042/…                 model files (shards, config, tokenizer)
+A version's files are a full HF folder or a PEFT adapter (the manifest's `format`). A file
+may be stored as a delta against the same file of an earlier version (`encoded`,
+shared/deltas.py): the reader installs that version first (from its local copy, else the
+bucket, down the chain to the full snapshot it starts from), rebuilds the file in staging
+and checks the rebuilt file's sha256 like any other before anything is renamed. A delta
+that is missing or corrupt, or whose base is gone, raises `BrokenDelta`: the version is
+refused, never installed wrong. Retention keeps every version a kept one builds on.
+
+    policies/<run>/v000042/…                 model files (shards, config, tokenizer), an
+                                             adapter, or deltas (`*.xor.zst`)
     policies/<run>/v000042/manifest.json     CheckpointManifest
     policies/<run>/LATEST                    LatestPointer
     policies/<run>/RUN.json                  RunRecord: the run's base model (shared/runs.py)
@@ -18,6 +27,7 @@ Everything here is blocking; asyncio code calls it through `AsyncBucket.run`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -26,12 +36,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
 from pydantic import ValidationError
 
+from shared import deltas
 from shared.errors import (
+    BrokenDelta,
     ChecksumMismatch,
     CorruptCheckpoint,
     NoCheckpoint,
@@ -39,7 +52,15 @@ from shared.errors import (
     StoreError,
 )
 from shared.gate_view import GateView
-from shared.schemas import CheckpointFile, CheckpointManifest, LatestPointer, describe
+from shared.schemas import (
+    AdapterSpec,
+    CheckpointFile,
+    CheckpointManifest,
+    EncodedFile,
+    LatestPointer,
+    WeightFormat,
+    describe,
+)
 from shared.store import Bucket, FileDigest
 
 log = logging.getLogger(__name__)
@@ -48,6 +69,7 @@ MANIFEST = "manifest.json"
 LATEST = "LATEST"
 RUN = "RUN.json"
 STAGING = ".staging-"
+MAX_CHAIN = 64  # deltas a reader follows before it gives up on a version (a loop, a bad writer)
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _VERSION_DIR = re.compile(r"v(\d{6,})")
 
@@ -208,6 +230,40 @@ def _parallel(fn: Callable[[T], R], items: Sequence[T], parallel: int, what: Cal
     return [fut.result() for fut in futures]
 
 
+def digest_file(path: Path) -> FileDigest:
+    """(blocking) The size and sha256 of a local file, read once."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            size += len(block)
+    return FileDigest(size, h.hexdigest())
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A file of the folder to publish as a delta instead (its delta already written to
+    `path`, by `deltas.encode` against `base_version`'s copy of the same file)."""
+
+    of: str  # the file's path in the folder
+    path: Path  # the delta, on local disk
+    base_version: int
+    base_sha256: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a version's files are, for its manifest (CheckpointManifest says each field)."""
+
+    format: WeightFormat = "full"
+    dtype: str | None = None
+    base_fingerprint: str = ""
+    adapter: AdapterSpec | None = None
+    deltas: tuple[Delta, ...] = ()
+    snapshot: int | None = None  # the full version the deltas' chain starts from
+
+
 def publish_checkpoint(
     bucket: Bucket,
     run: str,
@@ -221,9 +277,14 @@ def publish_checkpoint(
     parent: int | None = None,
     guard: Callable[[LatestPointer | None], None] | None = None,
     parallel: int = 4,
+    layout: Layout | None = None,
 ) -> CheckpointManifest:
     """Upload every file of `src_dir` (sha256 computed while reading), then the manifest,
     then LATEST. If any upload fails, LATEST is untouched and the error names the file.
+
+    `layout` describes the files (format, dtype, the base model's identity, an adapter's
+    spec); its `deltas` are files uploaded as their delta (the manifest lists the file's
+    own size and sha256, hashed here, and the delta object's under `encoded`).
 
     LATEST only moves forward here: if it already points at a newer version (uploads that
     finished out of order), the manifest is written but LATEST is left alone. Rollback is
@@ -239,23 +300,38 @@ def publish_checkpoint(
     a reader nor a resume takes it for committed. Its exception propagates.
     """
     src = Path(src_dir)
+    lay = layout or Layout()
     prefix = version_prefix(run, version)
     files = _source_files(src)
+    by_file = {d.of: d for d in lay.deltas}
+    if unknown := sorted(by_file.keys() - set(files)):
+        raise StoreError(f"publishing {run} v{version}: deltas of files the folder does not hold: {unknown}")
     t0 = time.monotonic()
 
-    def upload(rel: str) -> CheckpointFile:
-        d = bucket.put_file(prefix + rel, src / rel)
-        return CheckpointFile(path=rel, size=d.size, sha256=d.sha256)
+    def upload(rel: str) -> tuple[CheckpointFile, EncodedFile | None]:
+        d = by_file.get(rel)
+        if d is None:
+            got = bucket.put_file(prefix + rel, src / rel)
+            return CheckpointFile(path=rel, size=got.size, sha256=got.sha256), None
+        own = digest_file(src / rel)
+        name = rel + deltas.SUFFIX
+        sent = bucket.put_file(prefix + name, d.path)
+        return (CheckpointFile(path=rel, size=own.size, sha256=own.sha256),
+                EncodedFile(path=name, size=sent.size, sha256=sent.sha256, of=rel,
+                            base_version=d.base_version, base_sha256=d.base_sha256))
 
-    uploaded = _parallel(upload, files, parallel,
-                         lambda rel: f"publishing {run} v{version}: uploading {rel!r} failed "
-                                     f"(LATEST not moved)")
+    done = _parallel(upload, files, parallel,
+                     lambda rel: f"publishing {run} v{version}: uploading {rel!r} failed "
+                                 f"(LATEST not moved)")
     if guard is not None:
         guard(_pointer_to_replace(bucket, run))
     manifest = CheckpointManifest(
-        run=run, version=version, step=step, base_model=base_model, parent=parent, files=uploaded,
-        consumed_batch_ids=list(consumed_batch_ids), metrics=dict(metrics or {}),
-    )
+        run=run, version=version, step=step, base_model=base_model, parent=parent,
+        files=[f for f, _ in done], consumed_batch_ids=list(consumed_batch_ids),
+        metrics=dict(metrics or {}), format=lay.format, dtype=lay.dtype,
+        base_fingerprint=lay.base_fingerprint, adapter=lay.adapter,
+        encoded=[e for _, e in done if e is not None], snapshot=lay.snapshot if lay.deltas else None,
+    )  # fmt: skip
     bucket.put_json(manifest_key(run, version), manifest)
     current = _pointer_to_replace(bucket, run)
     if guard is not None:
@@ -265,9 +341,9 @@ def publish_checkpoint(
                     extra={"run": run, "version": version, "latest": current.version})
     else:
         bucket.put_json(latest_key(run), LatestPointer(version=version, manifest=manifest_key(run, version)))
-    total = sum(f.size for f in uploaded)
     log.info("published checkpoint", extra={
-        "run": run, "version": version, "files": len(uploaded), "bytes": total,
+        "run": run, "version": version, "files": len(done), "format": manifest.format,
+        "bytes": sum(f.size for f in manifest.stored()), "deltas": len(manifest.encoded),
         "seconds": round(time.monotonic() - t0, 3)})
     return manifest
 
@@ -303,7 +379,8 @@ def _pointer_to_replace(bucket: Bucket, run: str) -> LatestPointer | None:
 def _safe_paths(manifest: CheckpointManifest) -> list[PurePosixPath]:
     """Refuse manifests whose paths could escape the version folder or collide."""
     paths = []
-    for f in manifest.files:
+    for f in [*manifest.files, *(CheckpointFile(path=e.path, size=e.size, sha256=e.sha256)
+                                for e in manifest.encoded)]:
         p = PurePosixPath(f.path)
         if p.is_absolute() or not p.parts or any(part in ("", ".", "..") for part in p.parts) \
                 or "\\" in f.path or p.as_posix() != f.path or f.path == MANIFEST:
@@ -327,49 +404,106 @@ def _is_complete(folder: Path, manifest: CheckpointManifest) -> bool:
 
 
 def download_checkpoint(
-    bucket: Bucket, manifest: CheckpointManifest, dest_root: str | Path, *, parallel: int = 4
+    bucket: Bucket, manifest: CheckpointManifest, dest_root: str | Path, *, parallel: int = 4,
+    _depth: int = 0,
 ) -> Path:
     """Download, verify and atomically install `dest_root/v000042`; return its path.
 
     A version already present and complete is returned without downloading. Any size or
     sha256 mismatch (or a listed file missing from the bucket) raises `ChecksumMismatch`
-    naming the file; the staging folder is removed and nothing is renamed.
+    naming the file; the staging folder is removed and nothing is renamed. A file stored as
+    a delta is rebuilt on the same file of the version it builds on, which is installed
+    first under `dest_root` (`BrokenDelta` when that cannot be done, or the rebuilt file is
+    not the manifest's).
     """
     root = Path(dest_root)
     dest = root / version_dirname(manifest.version)
     if _is_complete(dest, manifest):
         return dest
     _safe_paths(manifest)
+    what = f"{manifest.run} v{manifest.version}"
+    if _depth > MAX_CHAIN:
+        raise BrokenDelta(f"{what}: a chain of more than {MAX_CHAIN} deltas; a reader does not follow it")
+    bases = {e.base_version: _base_folder(bucket, manifest, e.base_version, root, parallel, _depth)
+             for e in manifest.encoded}
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f"{STAGING}{dest.name}-{uuid.uuid4().hex[:8]}"
     prefix = version_prefix(manifest.run, manifest.version)
-    what = f"{manifest.run} v{manifest.version}"
+    encoded = {e.path for e in manifest.encoded}
     t0 = time.monotonic()
 
     def fetch(f: CheckpointFile) -> FileDigest:
         try:
             got = bucket.get_file(prefix + f.path, staging / f.path)
         except ObjectNotFound:
-            raise ChecksumMismatch(f"{what}: {f.path!r} is listed in the manifest but missing "
-                                   f"from the bucket") from None
-        if got.size != f.size:
-            raise ChecksumMismatch(f"{what}: {f.path!r} is {got.size} bytes, manifest says {f.size}")
-        if got.sha256 != f.sha256:
-            raise ChecksumMismatch(f"{what}: {f.path!r} has sha256 {got.sha256}, manifest says {f.sha256}")
+            kind = BrokenDelta if f.path in encoded else ChecksumMismatch
+            raise kind(f"{what}: {f.path!r} is listed in the manifest but missing from the bucket") from None
+        if got.size != f.size or got.sha256 != f.sha256:
+            kind = BrokenDelta if f.path in encoded else ChecksumMismatch
+            said = (f"is {got.size} bytes, manifest says {f.size}" if got.size != f.size
+                    else f"has sha256 {got.sha256}, manifest says {f.sha256}")
+            raise kind(f"{what}: {f.path!r} {said}")
         return got
 
     try:
         staging.mkdir()
-        _parallel(fetch, manifest.files, parallel, lambda f: f"{what}: downloading {f.path!r} failed")
+        _parallel(fetch, manifest.stored(), parallel, lambda f: f"{what}: downloading {f.path!r} failed")
+        for e in manifest.encoded:
+            _rebuild(staging, e, bases[e.base_version], manifest)
         (staging / MANIFEST).write_text(manifest.model_dump_json())
         _install(staging, dest, manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("downloaded checkpoint", extra={
         "run": manifest.run, "version": manifest.version,
-        "bytes": sum(f.size for f in manifest.files),
+        "bytes": sum(f.size for f in manifest.stored()), "deltas": len(manifest.encoded),
         "seconds": round(time.monotonic() - t0, 3)})
     return dest
+
+
+def _base_folder(bucket: Bucket, manifest: CheckpointManifest, base: int, root: Path, parallel: int,
+                 depth: int) -> Path:
+    """The installed folder of `base`, which a delta of `manifest` builds on (installing it
+    from the bucket if need be); `BrokenDelta` when it cannot be had."""
+    what = f"{manifest.run} v{manifest.version}"
+    try:
+        local = CheckpointManifest.model_validate_json((root / version_dirname(base) / MANIFEST).read_bytes())
+    except (OSError, ValidationError):
+        local = None
+    try:
+        base_manifest = local if local is not None and _is_complete(root / version_dirname(base), local) \
+            else read_manifest(bucket, manifest_key(manifest.run, base))
+        if (base_manifest.run, base_manifest.version) != (manifest.run, base):
+            raise CorruptCheckpoint(f"the manifest of v{base} describes {base_manifest.run} "
+                                    f"v{base_manifest.version}")
+        return download_checkpoint(bucket, base_manifest, root, parallel=parallel, _depth=depth + 1)
+    except BrokenDelta as exc:
+        raise BrokenDelta(f"{what} builds on v{base}, which cannot be rebuilt: {exc}") from None
+    except (NoCheckpoint, CorruptCheckpoint, ChecksumMismatch) as exc:
+        raise BrokenDelta(f"{what} builds on v{base}, which does not verify: {exc}") from None
+
+
+def _rebuild(staging: Path, e: EncodedFile, base: Path, manifest: CheckpointManifest) -> None:
+    """Decode `e` in `staging` onto `base`'s copy of its file, and check the result against
+    the manifest (a base whose file is not the one the delta was made on is discarded, so
+    the next try installs it again)."""
+    what = f"{manifest.run} v{manifest.version}"
+    want = next(f for f in manifest.files if f.path == e.of)
+    delta, out = staging / e.path, staging / e.of
+    try:
+        deltas.decode(delta, base / e.of, out, want.size)
+    except (deltas.DeltaError, OSError) as exc:
+        raise BrokenDelta(f"{what}: {e.of!r} cannot be rebuilt from {e.path!r}: {exc}") from None
+    delta.unlink()
+    got = digest_file(out)
+    if got.sha256 == want.sha256:
+        return
+    if digest_file(base / e.of).sha256 != e.base_sha256:
+        shutil.rmtree(base, ignore_errors=True)
+        raise BrokenDelta(f"{what}: the local copy of v{e.base_version}'s {e.of!r} is not the one its "
+                          "delta was made on (removed: the next try installs it again)")
+    raise BrokenDelta(f"{what}: {e.of!r} rebuilt from its delta has sha256 {got.sha256}, the manifest "
+                      f"says {want.sha256}")
 
 
 def _install(staging: Path, dest: Path, manifest: CheckpointManifest) -> None:
@@ -394,7 +528,9 @@ def prune_bucket(bucket: Bucket, run: str, keep: int, *, gate: GateView | None =
     while it would still wait for its results (shared/gate_view.py says why).
 
     Half-uploaded versions (no manifest) are deleted once their newest object is older
-    than `partial_grace_s`, so a publish in progress is left alone. Returns what was deleted.
+    than `partial_grace_s`, so a publish in progress is left alone. Every version a kept
+    one builds on (its deltas' bases, down to their snapshot) is kept too. Returns what was
+    deleted.
     """
     if keep < 1:
         raise ValueError("keep must be at least 1")
@@ -406,6 +542,7 @@ def prune_bucket(bucket: Bucket, run: str, keep: int, *, gate: GateView | None =
         waiting_since = time.time() - gate.wait_s - 60.0  # a margin for clocks and the gate's poll
         protected |= gate.serving
         protected |= {v for v in committed if v not in gate.decided and scan[v][1] >= waiting_since}
+    protected |= _chain_bases(bucket, run, protected & set(committed))
     cutoff = time.time() - partial_grace_s
     doomed = [v for v, (has, newest) in sorted(scan.items())
               if v not in protected and (has or newest < cutoff)]
@@ -415,6 +552,23 @@ def prune_bucket(bucket: Bucket, run: str, keep: int, *, gate: GateView | None =
     if doomed:
         log.info("pruned bucket versions", extra={"run": run, "versions": doomed})
     return doomed
+
+
+def _chain_bases(bucket: Bucket, run: str, versions: set[int]) -> set[int]:
+    """Every version the deltas of `versions` build on, transitively (an unreadable
+    manifest adds nothing: that version cannot be rebuilt anyway)."""
+    found: set[int] = set()
+    todo = list(versions)
+    while todo and len(found) <= 10 * MAX_CHAIN:
+        try:
+            manifest = read_manifest(bucket, manifest_key(run, todo.pop()))
+        except (NoCheckpoint, CorruptCheckpoint):
+            continue
+        for e in manifest.encoded:
+            if e.base_version not in found and e.base_version not in versions:
+                found.add(e.base_version)
+                todo.append(e.base_version)
+    return found
 
 
 def local_versions(dest_root: str | Path) -> list[int]:

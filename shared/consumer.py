@@ -54,6 +54,11 @@ DUPLICATES = Counter(
 RECLAIMED = Counter(
     "nextstate_consumer_reclaimed_total", "Entries claimed from silent consumers", ["stream", "group"]
 )
+JANITOR_PASSES = Counter(
+    "nextstate_consumer_janitor_passes_total",
+    "Janitor passes completed (reclaim idle entries, trim, export backlog); flat: the janitor is stuck",
+    ["stream", "group"],
+)
 INFLIGHT = Gauge("nextstate_consumer_inflight", "Handlers running now", ["stream", "group"])
 GROUP_LAG = Gauge(
     "nextstate_stream_group_lag", "Entries not yet delivered to the group (as seen by a consumer)",
@@ -129,6 +134,7 @@ class Consumer(Generic[M]):
         self._closed = asyncio.Event()  # set once in-flight work is finished or handed back
         self._labels = (stream, group)
         self.handled = 0
+        self.janitor_passes = 0  # completed passes: a reclaim that was due has been tried
 
     # -- lifecycle -----------------------------------------------------------------
     def stop(self) -> None:
@@ -323,6 +329,9 @@ class Consumer(Generic[M]):
                 await self._export_backlog()
             except RedisError as exc:
                 log.warning("janitor pass failed", extra={"error": str(exc)})
+            else:
+                self.janitor_passes += 1
+                JANITOR_PASSES.labels(*self._labels).inc()
             await self._sleep(interval)
 
     async def _export_backlog(self) -> None:

@@ -11,6 +11,7 @@
     │   ├── CorruptCheckpoint  a LATEST, manifest or trainer state that is there but unreadable
     │   │   └── IncompatibleCheckpoint  weights that do not fit the model the engine serves
     │   └── ChecksumMismatch   a downloaded file does not match its manifest
+    │       └── BrokenDelta    a delta-encoded file cannot be rebuilt (its delta or its base)
     └── EngineError            the inference engine
         ├── EngineUnavailable  cannot connect, or it answered 5xx
         │   └── EngineDied     it stopped serving during an operation it was asked for
@@ -75,6 +76,12 @@ class IncompatibleCheckpoint(CorruptCheckpoint):
 
 class ChecksumMismatch(StoreError):
     """A downloaded file's size or sha256 differs from the manifest."""
+
+
+class BrokenDelta(ChecksumMismatch):
+    """A file stored as a delta cannot be rebuilt: the delta is missing or corrupt, or the
+    earlier version it builds on is gone or does not verify. The version is refused like
+    any that does not verify; a reader falls back to a version it can build."""
 
 
 class EngineError(NextstateError):

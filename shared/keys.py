@@ -104,6 +104,11 @@ class Keys:
         (kept after the pending turn closes, so a branch from it stays in its session)."""
         return f"{self.prefix}:lineage:{prefix_hash}"
 
+    def pairing_anchor(self, anchor: str) -> str:
+        """The pending hash of the one turn that registered this pairing anchor, or "*" once
+        several did (services/collector/pairing.py), with the lineage's TTL."""
+        return f"{self.prefix}:anchor:{anchor}"
+
     def stored_response(self, response_id: str) -> str:
         """A Responses API object kept for `GET /v1/responses/{id}` and `previous_response_id`
         (JSON: the response and its conversation), with a TTL."""
@@ -117,6 +122,16 @@ class Keys:
     def sample_batched(self, turn_id: str) -> str:
         """Set once a turn's sample is in a published batch: never batched twice."""
         return f"{self.prefix}:batched:{turn_id}"
+
+    # -- `nextstate import --watch` (services/ctl/import_watch.py) ---------------------
+    def import_offsets(self, watch: str) -> str:
+        """Hash file identity (`<device>:<inode>`) -> JSON {offset, line, head, path, at}: how
+        far each file of a watched directory was forwarded (committed once the buffer took it)."""
+        return f"{self.prefix}:import:{watch}:offsets"
+
+    def import_lock(self, watch: str) -> str:
+        """JSON {host, pid, token}, with a TTL the watcher renews: the one importer of a watch."""
+        return f"{self.prefix}:import:{watch}:lock"
 
     # -- policy versions ------------------------------------------------------------
     @property
@@ -154,6 +169,14 @@ class Keys:
         serving_path, backoff_s, error}: the processes `nextstate up` supervises, as its
         supervisor sees them."""
         return f"{self.prefix}:services"
+
+    @property
+    def archive_state(self) -> str:
+        """Hash archive consumer name -> JSON {roll_s, grace_s, held_since, uploaded_at,
+        last_key, at}: what each buffer's archiver holds unacknowledged on purpose (the
+        batches of its open roll wait for the roll's upload, up to roll_s), so that
+        `nextstate status` tells that hold from a stall."""
+        return f"{self.prefix}:archive-state"
 
     @property
     def buffer_counts(self) -> str:

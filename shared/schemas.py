@@ -264,8 +264,47 @@ class CheckpointFile(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class EncodedFile(BaseModel):
+    """A file of the version stored as a delta (shared/deltas.py): the object at `path` in
+    the version's folder, XOR-ed onto `of` as version `base_version` holds it, gives the
+    file `of` of this version (whose size and sha256 `files` lists)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str  # the delta object, relative to the version folder (`model.safetensors.xor.zst`)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    codec: Literal["xor-zstd"] = "xor-zstd"
+    of: str  # the file of `files` it rebuilds
+    base_version: int = Field(ge=1)  # the version whose `of` it is XOR-ed onto
+    base_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # that file, as the reader must have it
+
+
+class AdapterSpec(BaseModel):
+    """What a `format: adapter` version is: a PEFT LoRA adapter on the run's base model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+    target_modules: list[str] = Field(min_length=1)  # module names, e.g. q_proj, v_proj
+
+
+WeightFormat = Literal["full", "adapter"]
+
+
 class CheckpointManifest(Message):
-    """`policies/<run>/vNNNNNN/manifest.json`: written after every file, before LATEST."""
+    """`policies/<run>/vNNNNNN/manifest.json`: written after every file, before LATEST.
+
+    `files` are the version's files as a reader installs them (what the engine loads),
+    each with its size and sha256. `format` says what they are: `full`, an HF model folder
+    (config, safetensors, tokenizer) in `dtype`; or `adapter`, a PEFT LoRA adapter
+    (`adapter_config.json` + `adapter_model.safetensors`, described by `adapter`) on the
+    base model whose identity (shared/runs.py fingerprint) is `base_fingerprint`. Files
+    listed in `encoded` are not in the bucket as such: each is rebuilt from its delta and
+    the same file of an earlier version, down to `snapshot`, the full version the chain
+    starts from (None: this version is one, every file stored as is).
+    """
 
     type: Literal["checkpoint_manifest"] = "checkpoint_manifest"
     run: str
@@ -278,10 +317,43 @@ class CheckpointManifest(Message):
     files: list[CheckpointFile]
     consumed_batch_ids: list[str] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)
+    format: WeightFormat = "full"
+    dtype: str | None = None  # the weights' dtype as stored: float32, bfloat16 (None: unrecorded)
+    base_fingerprint: str = ""  # the base model's identity ("": unrecorded)
+    adapter: AdapterSpec | None = None  # with format adapter
+    encoded: list[EncodedFile] = Field(default_factory=list)
+    snapshot: int | None = None  # the full version a delta chain starts from
 
     @property
     def weight_version(self) -> str:
         return str(self.version)
+
+    @model_validator(mode="after")
+    def _layout(self) -> Self:
+        if (self.format == "adapter") != (self.adapter is not None):
+            raise ValueError("an adapter version carries `adapter` (rank, alpha, target_modules), "
+                             "and only an adapter version does")
+        names = {f.path for f in self.files}
+        for e in self.encoded:
+            if e.of not in names:
+                raise ValueError(f"encoded {e.path!r} rebuilds {e.of!r}, which `files` does not list")
+            if e.path in names:
+                raise ValueError(f"encoded {e.path!r} has the name of a file of the version")
+            if e.base_version >= self.version:
+                raise ValueError(f"encoded {e.path!r} builds on v{e.base_version}, not an earlier version")
+        if len({e.of for e in self.encoded}) != len(self.encoded):
+            raise ValueError("a file is encoded twice")
+        if self.encoded and (self.snapshot is None or self.snapshot >= self.version):
+            raise ValueError("a version with deltas names the earlier full `snapshot` its chain starts from")
+        return self
+
+    def stored(self) -> list[CheckpointFile]:
+        """The objects of this version in the bucket: its files, each encoded one replaced by
+        its delta."""
+        encoded = {e.of: e for e in self.encoded}
+        return [CheckpointFile(path=encoded[f.path].path, size=encoded[f.path].size,
+                               sha256=encoded[f.path].sha256) if f.path in encoded else f
+                for f in self.files]
 
 
 class LatestPointer(BaseModel):

@@ -15,6 +15,8 @@ real-vLLM tests start it the same way:
     NEXTSTATE_ENGINE__CONTEXT_LENGTH=4096    --max-model-len (default: 4096, or the model's if less)
     NEXTSTATE_ENGINE__KV_CACHE_GIB=1         vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     NEXTSTATE_ENGINE__DTYPE=float32          float32: the trainer recomputes the same log-probs
+    NEXTSTATE_ENGINE__LORA_RANK=             serve LoRA adapters up to this rank, loaded by name at
+                                             run time (`nextstate up --lora R` sets it)
 
 What every start gets, and why:
 - `--enforce-eager`: no torch.compile (minutes of compiling on 2 cores, for little at this size).
@@ -31,6 +33,10 @@ What every start gets, and why:
 - HF_HUB_OFFLINE=1: a weights path that does not exist is never looked up on a model hub.
 - `--served-model-name policy`, `--disable-log-stats`: one name for every version; quiet logs.
   (`up --judge-model` serves its judge model as `judge`, on a vLLM server of its own.)
+- with LoRA versions (`lora_rank`): `--enable-lora --max-lora-rank R --max-loras 2` and
+  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which opens `/v1/load_lora_adapter` and
+  `/v1/unload_lora_adapter` (the CPU build serves LoRA: checked against 0.32, log-probs of base
+  + adapter equal to PEFT's within 1e-6). Two adapters: the one serving and the one replacing it.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class EngineChoice(BaseModel):
     context_length: int | None = Field(None, ge=16)
     kv_cache_gib: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    lora_rank: int | None = Field(None, ge=1, description="serve LoRA adapters up to this rank (vLLM: "
+                                  "--enable-lora --max-lora-rank; our engine: NEXTSTATE_ENGINE__MAX_LORA_RANK)")
 
 
 class EngineChoiceSettings(Settings):
@@ -92,6 +100,7 @@ class VLLMLaunch(BaseModel):
     context_length: int | None = None
     kv_cache_gib: int = Field(1, ge=1)
     dtype: str = "float32"
+    lora_rank: int | None = Field(None, ge=1)
 
     @classmethod
     def from_choice(cls, choice: EngineChoice) -> VLLMLaunch:
@@ -102,7 +111,7 @@ class VLLMLaunch(BaseModel):
                                "about 1.5 minutes) or set NEXTSTATE_ENGINE__VLLM_PYTHON")
         return cls(python=str(python), threads=choice.threads or default_threads(),
                    max_running=choice.max_running, context_length=choice.context_length,
-                   kv_cache_gib=choice.kv_cache_gib, dtype=choice.dtype)
+                   kv_cache_gib=choice.kv_cache_gib, dtype=choice.dtype, lora_rank=choice.lora_rank)
 
     @classmethod
     def from_env(cls) -> VLLMLaunch:
@@ -122,6 +131,8 @@ class VLLMLaunch(BaseModel):
             "--enable-scale-out", "--return-tokens-as-token-ids",
             "--disable-log-stats", "--generation-config", "vllm",
         ]
+        if self.lora_rank is not None:
+            argv += ["--enable-lora", "--max-lora-rank", str(self.lora_rank), "--max-loras", "2"]
         env = {
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
@@ -134,4 +145,6 @@ class VLLMLaunch(BaseModel):
             # services.vllm is imported from this checkout, by the vLLM venv's interpreter.
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
         }
+        if self.lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return argv, env

@@ -15,7 +15,7 @@ import pytest
 
 from shared.settings import Settings
 from tests.support.servers import RedisServer, S3Server
-from tests.support.tiny_model import build_tiny_model
+from tests.support.tiny_model import build_tiny_model, build_tokenizer
 from tests.support.tool_model import build_tool_model
 
 
@@ -92,6 +92,15 @@ def settings(env: dict[str, str]) -> Settings:
 @pytest.fixture
 def s3_settings(s3_env: dict[str, str]) -> Settings:
     return settings_from(s3_env)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer and chat template alone (tests/support/tiny_model.py): a
+    folder for ChatTemplate.from_pretrained, built once per session, without torch."""
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(path)
+    return path
 
 
 @pytest.fixture(scope="session")

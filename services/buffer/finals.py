@@ -80,6 +80,7 @@ class Finals:
                 continue  # another buffer took it, or it is gone
             self._inflight[turn_id] = asyncio.create_task(self._decide(turn_id, data))
             started += 1
+        M.SWEEPS.labels("final").inc()
         return started
 
     async def _due(self, turn_id: str, score: float, now: float) -> bool:

@@ -301,6 +301,7 @@ class HeldSweep(ABC, Generic[P]):
                 continue  # another buffer took it, or it moved
             self._inflight[unit] = asyncio.create_task(self._decide(unit, lease_until))
             started += 1
+        M.SWEEPS.labels(self.kind).inc()
         return started
 
     async def _decide(self, unit: str, lease_until: float) -> None:

@@ -43,6 +43,12 @@ CHAT_GROUPS = Counter(
     "Chat groups settled: complete, partial (its wait ran out), too_small (< 2 judged members)",
     ["kind"],
 )
+SWEEPS = Counter(
+    "nextstate_buffer_sweeps_total",
+    "Sweeps completed: parked final turns (final), held episode turns (episode), held chat-group "
+    "members (group); flat: that sweep is stuck",
+    ["kind"],
+)
 DUPLICATES = Counter(
     "nextstate_buffer_duplicate_turns_total", "Scored turns whose turn id was already batched"
 )

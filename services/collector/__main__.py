@@ -58,6 +58,7 @@ async def run(settings: CollectorSettings) -> None:
     from services.collector.app import build_app
     from services.collector.capture import Capture
     from services.collector.completion import ChatService
+    from services.collector.context_window import context_length
     from services.collector.engine_transport import EngineTransport
     from services.collector.pending_store import connect
     from services.collector.response_store import ResponseStore
@@ -79,7 +80,7 @@ async def run(settings: CollectorSettings) -> None:
         engine = make_engine_client(
             cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
             connect_timeout=cfg.engine_connect_timeout_s, max_connections=cfg.engine_max_connections,
-            transport=lean, api_key=settings.internal.secret(),
+            transport=lean, api_key=settings.internal.secret(), adapters=cfg.engine_adapters,
         )  # fmt: skip
         stack.push_async_callback(engine.aclose)
         info: dict[str, Any] = {}
@@ -108,8 +109,12 @@ async def run(settings: CollectorSettings) -> None:
         stack.push_async_callback(fast.aclose)
         spool = Spool(cfg.spool_file(), cfg.spool_max_bytes)
         capture = Capture(cfg, bus, spool, fast)
+        window = context_length(cfg.context_length, info, tokenizer)
+        if window is None:
+            log.warning("the policy's context length is unknown (set NEXTSTATE_COLLECTOR__CONTEXT_LENGTH): "
+                        "prompts that do not fit are refused by the engine, not checked here")
         service = ChatService(cfg, engine, template, capture, name,
-                              str(info.get("weight_version") or "unknown"))  # fmt: skip
+                              str(info.get("weight_version") or "unknown"), window)  # fmt: skip
 
         async def engine_ready() -> None:
             if not await engine.health():
@@ -132,7 +137,7 @@ async def run(settings: CollectorSettings) -> None:
             loop.add_signal_handler(sig, request_exit)
         background = asyncio.create_task(capture.run())
         log.info("serving", extra={"host": cfg.host, "port": cfg.port, "engine": cfg.engine_url,
-                                   "model": name, "tokenizer": tokenizer,
+                                   "model": name, "tokenizer": tokenizer, "context_length": window,
                                    "auth": bool(cfg.api_keys), "spool": str(spool.path)})  # fmt: skip
         try:
             await server.serve()

@@ -59,6 +59,22 @@ def error_bytes(err: ApiError) -> bytes:
     return dumps(error_body(err))
 
 
+def model_info(name: str, context_length: int | None) -> dict[str, Any]:
+    """The served model as Anthropic's Models API describes one (`max_input_tokens`: the
+    longest prompt that fits; `max_tokens`: the most it can then generate)."""
+    info: dict[str, Any] = {"type": "model", "id": name, "display_name": name,
+                            "created_at": "1970-01-01T00:00:00Z", "lifecycle": "active"}  # fmt: skip
+    if context_length is not None:
+        info["max_input_tokens"] = context_length - 1
+        info["max_tokens"] = context_length - 1
+    return info
+
+
+def model_page(name: str, context_length: int | None) -> dict[str, Any]:
+    return {"data": [model_info(name, context_length)], "has_more": False, "first_id": name,
+            "last_id": name}  # fmt: skip
+
+
 def stop_reason(ans: Answer) -> str:
     if ans.finish == "tool_calls":
         return "tool_use"

@@ -4,6 +4,11 @@ The conversation a Chat Completions client would send for the same exchange, so 
 chat template renders the same prompt ids and the same `Turn` is captured:
 
 - `system` (a string or text blocks) -> a leading system message;
+- a `system` entry inside `messages` (Claude Code sends its environment block so: a text
+  block list with `cache_control` while it is the newest entry, a plain string after)
+  -> a system message in its place, its text blocks joined: the same message either
+  way, so a follow-up continues the captured turn. Where the chat template writes no
+  system message after the first, it renders as a user message (shared/chat.py);
 - a user message: its `tool_result` blocks -> one tool message each (answering
   `tool_use_id`; content a string or text blocks; `is_error` kept on the tool message
   as a flag the judge sees in the next state), then its text blocks -> one user
@@ -11,9 +16,10 @@ chat template renders the same prompt ids and the same `Turn` is captured:
 - an assistant message: text blocks -> its content, `tool_use` blocks -> tool calls
   (`input` as JSON arguments), `thinking` -> its `reasoning_content`;
 - `tools` ({name, description, input_schema}) -> chat function tools; Anthropic's
-  server tools (web search, bash, text editor, computer use, code execution, …) are
-  refused: the engine cannot run them;
-- `tool_choice` auto / any (chat's "required") / tool (a named function) / none;
+  server and schema-less tools (web search, web fetch, bash, text editor, computer use,
+  code execution, …) are left out of the prompt or refused (builtin_tools.py);
+- `tool_choice` auto / any (chat's "required") / tool (a named function; naming one of
+  those tools is a 400) / none;
   `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`;
   `metadata.user_id` is the `user`.
 
@@ -34,8 +40,17 @@ from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError
 
+from services.collector.builtin_tools import Dropped, anthropic_family
 from services.collector.openai_shapes import ApiError
-from services.collector.request import NAME_RE, ChatCall, _stop, _Strict, make_call, schema_error
+from services.collector.request import (
+    NAME_RE,
+    ChatCall,
+    _stop,
+    _Strict,
+    check_integers,
+    make_call,
+    schema_error,
+)
 from services.collector.settings import CollectorConfig
 from shared.chat_messages import PART_SEPARATOR
 
@@ -90,13 +105,15 @@ def _parse(model: type[R], body: bytes) -> R:
     if not body.strip():
         raise _bad("the request body is empty: send a JSON object")
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as exc:
         if any(e.get("type") == "json_invalid" for e in exc.errors()):
             raise _bad("the request body is not valid JSON") from None
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors()):
             raise _bad("the request body must be a JSON object") from None
         raise schema_error(exc) from None
+    check_integers(body, anthropic=True)
+    return req
 
 
 def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
@@ -123,10 +140,19 @@ def _refuse_block(kind: str, where: str) -> ApiError:
     return _bad(f"{where}: content blocks of type {kind!r} are not supported here")
 
 
+def _texts(blocks: list[Mapping[str, Any]], where: str) -> str:
+    """Text blocks joined as chat content parts are (their `cache_control` is the client's
+    caching hint, not content); any other block is refused."""
+    for j, b in enumerate(blocks):
+        if b["type"] != "text":
+            raise _refuse_block(b["type"], f"{where}.{j}")
+    return PART_SEPARATOR.join(_text_of(b, f"{where}.{j}") for j, b in enumerate(blocks))
+
+
 def _system(system: str | list[Any] | None) -> str | None:
     if system is None or isinstance(system, str):
         return system
-    return PART_SEPARATOR.join(_text_of(b, f"system.{j}") for j, b in enumerate(_blocks(system, "system")))
+    return _texts(_blocks(system, "system"), "system")
 
 
 def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -221,12 +247,17 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         if not isinstance(m, Mapping):
             raise _bad(f"{where}: expected an object with role and content")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role: {role!r}; expected 'user' or 'assistant' (the system "
-                       "prompt goes in the top-level 'system')")  # fmt: skip
+        if role not in ("user", "assistant", "system"):
+            raise _bad(f"{where}.role: {role!r}; expected 'user', 'assistant' or 'system'")
         if "content" not in m:
             raise _bad(f"{where}.content: Field required")
         blocks = _blocks(m["content"], f"{where}.content")
+        if role == "system":  # context the harness adds at this point (Claude Code's environment)
+            if open_calls:
+                raise _bad(f"{where}: tool_use ids were found without tool_result blocks immediately "
+                           f"after: {', '.join(sorted(open_calls))}.")  # fmt: skip
+            out.append({"role": "system", "content": _texts(blocks, f"{where}.content")})
+            continue
         if role == "user":
             out += _user(blocks, where, open_calls)
             continue
@@ -242,7 +273,8 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+def chat_tools(tools: list[Any] | None, dropped: Dropped) -> list[dict[str, Any]] | None:
+    """Custom tools as chat function tools; Anthropic's built-in ones to `dropped`."""
     if not tools:
         return None
     out = []
@@ -252,9 +284,16 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
             raise _bad(f"{where}: expected an object", "tools")
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            raise _bad(f"{where}: the server tool {kind!r} cannot run here (this server serves a "
-                       "model, not Anthropic's tools); define it as a custom tool with an "
-                       "input_schema and run it in your agent", "tools")  # fmt: skip
+            family = anthropic_family(kind) if isinstance(kind, str) else None
+            if family is None:
+                raise _bad(f"{where}.type: {kind!r} is not a tool type this server knows; send a "
+                           "custom tool (name, description, input_schema)", "tools")  # fmt: skip
+            dropped.offer(kind, family, _bad(
+                f"{where}: the server tool {kind!r} cannot run here (this server serves a model, "
+                "not Anthropic's tools); define it as a custom tool with an input_schema and run it "
+                "in your agent, or let this server leave it out "
+                "(NEXTSTATE_COLLECTOR__UNSUPPORTED_TOOLS=drop)", "tools"))  # fmt: skip
+            continue
         name = tool.get("name")
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise _bad(f"{where}.name: {name!r}; a tool name is 1-64 letters, digits, _ or -", "tools")
@@ -268,45 +307,59 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
             fn["description"] = tool["description"]
         fn["parameters"] = dict(schema)
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
 
 
-def _tools_enabled(choice: Mapping[str, Any] | None, tools: list[dict[str, Any]] | None) -> bool:
+def _builtin_names(tools: list[Any] | None) -> list[str]:
+    """The names of the built-in tools a request offers (what a tool_choice would name)."""
+    return [t["name"] for t in tools or () if isinstance(t, Mapping) and t.get("type") not in (None, "custom")
+            and isinstance(t.get("name"), str)]  # fmt: skip
+
+
+def _tools_enabled(choice: Mapping[str, Any] | None, tools: list[dict[str, Any]] | None,
+                   builtins: list[str]) -> bool:  # fmt: skip
     if choice is None:
         return True
     kind = choice.get("type")
     if kind == "none":
         return False
+    name = choice.get("name")
+    if kind == "tool" and name in builtins:
+        raise _bad(f"tool_choice.name: it forces the server tool {name!r}, which cannot run here "
+                   "(this server serves a model, not Anthropic's tools); use auto, any or a custom "
+                   "tool", "tool_choice")  # fmt: skip
     if tools is None:
-        raise _bad("tool_choice: it needs tools", "tool_choice")
+        raise _bad("tool_choice: it needs tools (custom tools: server tools cannot run here)", "tool_choice")
     if kind in ("auto", "any"):
         return True
     if kind == "tool":
-        name = choice.get("name")
         if name not in [t["function"]["name"] for t in tools]:
             raise _bad(f"tool_choice.name: no tool named {name!r} in tools", "tool_choice")
         return True
     raise _bad(f"tool_choice.type: {kind!r}; expected auto, any, tool or none", "tool_choice")
 
 
-def _conversation(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
+def _conversation(req: CountTokensRequest, dropped: Dropped) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
     """(chat messages, chat tools, whether the tools are rendered and parsed)."""
     for name in ("container", "mcp_servers"):
         if getattr(req, name, None) is not None:
             raise _bad(f"{name}: not supported by this server; leave it out", name)
     messages = chat_messages(req)
-    tools = chat_tools(req.tools)
-    return messages, tools, _tools_enabled(req.tool_choice, tools)
+    tools = chat_tools(req.tools, dropped)
+    return messages, tools, _tools_enabled(req.tool_choice, tools, _builtin_names(req.tools))
 
 
 def build_count_call(req: CountTokensRequest, cfg: CollectorConfig) -> ChatCall:
     """The call whose prompt a `/v1/messages` request of this conversation would render."""
-    messages, tools, enabled = _conversation(req)
-    return make_call(messages, tools, tools_enabled=enabled, headers={}, cfg=cfg)
+    dropped = Dropped("count_tokens", cfg.unsupported_tools)
+    messages, tools, enabled = _conversation(req, dropped)
+    return make_call(messages, tools, tools_enabled=enabled, headers={}, cfg=cfg, api="messages",
+                     dropped_tools=dropped.header())  # fmt: skip
 
 
 def build_messages_call(req: MessagesRequest, headers: Mapping[str, str], cfg: CollectorConfig) -> MessagesCall:
-    messages, tools, enabled = _conversation(req)
+    dropped = Dropped("messages", cfg.unsupported_tools)
+    messages, tools, enabled = _conversation(req, dropped)
     user = (req.metadata or {}).get("user_id")
     if user is not None and not isinstance(user, str):
         raise _bad("metadata.user_id: expected a string", "metadata")
@@ -317,6 +370,7 @@ def build_messages_call(req: MessagesRequest, headers: Mapping[str, str], cfg: C
     call = make_call(
         messages, tools, tools_enabled=enabled, headers=headers, cfg=cfg,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_tokens,
-        stop=stop, stream=bool(req.stream), user=user, session_id=req.session_id,
+        stop=stop, stream=bool(req.stream), user=user, session_id=req.session_id, api="messages",
+        dropped_tools=dropped.header(),
     )  # fmt: skip
     return MessagesCall(req, call)

@@ -4,7 +4,9 @@
 - `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`
   (OpenAI Responses; responses_api.py, input_items.py),
 - `POST /v1/messages` (Anthropic Messages; anthropic_api.py; the key also as `x-api-key`) and
-  `POST /v1/messages/count_tokens` (its prompt's length in the policy's tokens).
+  `POST /v1/messages/count_tokens` (its prompt's length in the policy's tokens);
+`GET /v1/models` and `/v1/models/{id}` (OpenAI's model cards with the context length, or
+Anthropic's when the request carries `anthropic-version`); `GET /openapi.json` (openapi.py).
 
 All three share one answer and capture path (completion.py). Every request to `/v1/*`
 is checked in this order, each failure answered in its API's error shape (OpenAI's;
@@ -40,7 +42,8 @@ from services.collector import anthropic_api
 from services.collector import metrics as M
 from services.collector.anthropic_api import MessagesApi
 from services.collector.completion import ChatService
-from services.collector.openai_shapes import ApiError, dumps, model_list
+from services.collector.openai_shapes import ApiError, dumps, model_card, model_list
+from services.collector.openapi import document
 from services.collector.request import build_call, parse_body
 from services.collector.response_store import ResponseStore
 from services.collector.responses_api import ResponsesApi
@@ -89,7 +92,7 @@ class Guard:
 
     async def read_body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.max_body:
             raise self._too_large()
         parts: list[bytes] = []
         size = 0
@@ -221,14 +224,39 @@ def build_app(
         routes[path + "/count_tokens"] = ApiRoute("count_tokens", messages.count_tokens,
                                                   anthropic_api.error_bytes, x_api_key=True)  # fmt: skip
 
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        """The three APIs' OpenAPI document (public, as vLLM's and OpenAI's are)."""
+        return Response(dumps(document()), media_type=JSON)
+
+    def anthropic_client(request: Request) -> bool:
+        """Anthropic's SDK sends `anthropic-version` on every request; OpenAI's never does."""
+        return "anthropic-version" in request.headers
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        anthropic = anthropic_client(request)
         try:
-            guard.check_auth(request.headers)
+            guard.check_auth(request.headers, x_api_key=anthropic)
         except ApiError as err:
-            return _error(err, service)
-        return Response(dumps(model_list(service.model_name)), media_type=JSON,
-                        headers=service.headers())  # fmt: skip
+            return _error(err, service, anthropic_api.error_bytes if anthropic else None)
+        name, window = service.model_name, service.context_length
+        body = anthropic_api.model_page(name, window) if anthropic else model_list(name, window)
+        return Response(dumps(body), media_type=JSON, headers=service.headers())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        """Any name: completions answer every `model` with the one policy, so its card
+        answers every name too (`root` is the name it is served under)."""
+        anthropic = anthropic_client(request)
+        try:
+            guard.check_auth(request.headers, x_api_key=anthropic)
+        except ApiError as err:
+            return _error(err, service, anthropic_api.error_bytes if anthropic else None)
+        window = service.context_length
+        body = (anthropic_api.model_info(model_id, window) if anthropic
+                else {**model_card(model_id, window), "root": service.model_name})  # fmt: skip
+        return Response(dumps(body), media_type=JSON, headers=service.headers())
 
     @app.exception_handler(StarletteHTTPException)
     async def routing_error(request: Request, exc: StarletteHTTPException) -> Response:

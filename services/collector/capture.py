@@ -3,8 +3,9 @@
 Per request (docs/design.md#pairing-a-turn-with-its-next-state):
 
 1. `begin` — before the engine call, one Redis round trip: close the pending turn of
-   every prefix of the request that ends on an assistant message (see pairing.py) and
-   GET the lineage of the last one. Closing a turn emits it in the same atomic script
+   every prefix of the request that ends on an assistant message, or when that rule
+   knows nothing of the last one, the turn its anchors name (see pairing.py), and GET
+   the lineage of the last one. Closing a turn emits it in the same atomic script
    (pending_store.py): its next state is what follows it in this request. The latest
    one's PromptCache makes tokenization incremental; its session id and turn index
    carry over to the new turn (the lineage does so for a branch whose parent was closed).
@@ -59,8 +60,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.collector import metrics as M
-from services.collector.pairing import Candidate, next_state
-from services.collector.pending_store import SWEEP_BATCH, KeyValue, PendingStore
+from services.collector.pairing import AnchorIndex, Candidate, Offer, next_state
+from services.collector.pending_store import SWEEP_BATCH, Closed, KeyValue, PendingStore
 from services.collector.settings import CollectorConfig
 from services.collector.spool import Op, Spool
 from shared import keys as K
@@ -94,6 +95,8 @@ class Lookup:
     session_id: str | None = None
     turn_index: int = 0  # of the new turn
     closed: int = 0
+    paired_by: str | None = None  # the anchor kind that closed the last response's turn
+    refused: bool = False  # a turn it continues could be several sessions': paired with none
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,7 @@ class Held:
     record: str
     deadline: float
     lineage: str
+    anchors: Sequence[str] = ()
 
 
 def make_record(
@@ -122,11 +126,13 @@ def make_record(
 
 
 def group_records(
-    turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str], deadline: float
-) -> list[tuple[str, Held]]:
+    turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str], deadline: float,
+    anchors: Sequence[Sequence[str]] = (),
+) -> list[tuple[str, Held]]:  # fmt: skip
     """The pending (hash, record) of each member of a group. `keys[i]` is choice i's
-    response hash; a choice identical to an earlier one (same hash) is its twin, stored
-    under `<hash>.<index>` where no request looks, and closed with it."""
+    response hash (`anchors[i]`: its anchors); a choice identical to an earlier one (same
+    hash) is its twin, stored under `<hash>.<index>` where no request looks, and closed
+    with it (it registers no anchors: they are its holder's)."""
     stored = [key if key not in keys[:i] else f"{key}.{i}" for i, key in enumerate(keys)]
     out = []
     for i, (turn, key) in enumerate(zip(turns, keys, strict=True)):
@@ -134,9 +140,11 @@ def group_records(
             siblings = [s for s, k in zip(stored, keys, strict=True) if k != key]
             same = [s for j, (s, k) in enumerate(zip(stored, keys, strict=True)) if k == key and j != i]
             record, lineage = make_record(turn, cache, deadline, siblings, same)
+            mine = anchors[i] if anchors else ()
         else:  # a twin: closed by the one holding its hash, or expired
             record, lineage = make_record(turn, cache, deadline)
-        out.append((stored[i], Held(record, deadline, lineage)))
+            mine = ()
+        out.append((stored[i], Held(record, deadline, lineage, mine)))
     return out
 
 
@@ -177,35 +185,48 @@ class Capture:
         self._strikes = 0
         self.state = State.RECOVERING if spool.has_data() else State.UP
         self._local: OrderedDict[str, Held] = OrderedDict()
+        self._local_anchors = AnchorIndex(8 * max(1, cfg.fallback_max_pending))  # of the held turns
         self._closed_here: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        self.sweeps = 0  # sweeps completed (nextstate_collector_sweeps_total, per instance)
         M.REDIS_UP.set(1 if self.state is State.UP else 0)
 
     # -- the request path ------------------------------------------------------------
 
-    async def begin(self, messages: list[dict[str, Any]], cands: Sequence[Candidate]) -> Lookup:
-        """Close the pending turns this request follows up; what the new turn inherits."""
+    async def begin(self, messages: list[dict[str, Any]], cands: Sequence[Candidate],
+                    offer: Offer | None = None) -> Lookup:  # fmt: skip
+        """Close the pending turns this request follows up; what the new turn inherits.
+        `offer`: the anchors of its last assistant message (`cands[-1]`'s), tried when
+        the prefix rule knows nothing of it."""
         if not cands:
             return Lookup()
         keys = [c.key for c in cands]
         states = [next_state(messages, c.end) for c in cands]
+        anchors = [a.key for a in offer.anchors] if offer is not None else []
         records: list[str | None] = [None] * len(keys)
         lineage: str | None = None
+        closed: Closed | None = None
         if self.state is not State.DOWN:
             try:
                 async with asyncio.timeout(self.timeout):
-                    closed, lineage = await self.fast.lookup(keys, keys[-1], [_dumps(st) for st in states])
+                    closed, lineage = await self.fast.lookup(
+                        keys, keys[-1], [_dumps(st) for st in states], anchors)
                 self._strikes = 0
                 records = closed.records
-                emitted = sum(1 for r in records if r is not None)
+                emitted = sum(1 for r in records if r is not None) + (closed.via_record is not None)
                 M.TURNS.labels("next_request").inc(emitted + closed.twins)
                 M.TURNS.labels("unchosen").inc(closed.unchosen)
                 M.PENDING.labels("unchosen_dropped").inc(closed.dropped)
                 if closed.shed:
                     M.SHED.labels("stream_bound").inc(closed.shed)
+                if closed.clashes:
+                    M.PAIRING_REFUSED.labels("same_conversation").inc(closed.clashes)
             except FAILURES as exc:
                 self._failed(exc)
+        via = closed.via if closed is not None else 0
+        via_record = closed.via_record if closed is not None else None
+        via_lineage = closed.via_lineage if closed is not None else None
         if self._local:
             for i, k in enumerate(keys):
                 held = self._local.pop(k, None) if records[i] is None else None
@@ -214,45 +235,72 @@ class Capture:
                     self._close_local(k, held, states[i])
                     if i == len(keys) - 1 and lineage is None:
                         lineage = held.lineage
+            if via == 0 and records[-1] is None and lineage is None:
+                via, via_record, via_lineage = self._anchor_local(anchors, states[-1])
             M.FALLBACK_PENDING.set(len(self._local))
         found = [r for r in records if r is not None]
-        if not found and lineage is None:
-            return Lookup()
+        M.PAIRED.labels("prefix").inc(len(found))
+        paired_by = offer.anchors[via - 1].kind if offer is not None and via > 0 and via_record else None
+        if paired_by is not None:
+            M.PAIRED.labels(paired_by).inc()
+        elif via < 0:
+            M.PAIRING_REFUSED.labels("ambiguous").inc()
+        if via_record is not None:
+            found.append(via_record)  # the last response's: the latest
+        refused = via < 0 or (closed is not None and closed.clashes > 0)
+        if not found and lineage is None and via_lineage is None:
+            return Lookup(refused=refused)
         cache: PromptCache | None = None
+        header = "{}"
         if found:
             header, cache_json, _ = found[-1].split("\n", 2)
             cache = PromptCache.from_json(cache_json)
-            info = json.loads(lineage or header)
             M.PENDING.labels("closed").inc(len(found))
-        else:
-            info = json.loads(lineage or "{}")
+        info = json.loads(lineage or via_lineage or header)
         return Lookup(
             cache=cache,
             session_id=info.get("session_id"),
             turn_index=int(info.get("turn_index", -1)) + 1,
             closed=len(found),
+            paired_by=paired_by,
+            refused=refused,
         )
 
-    async def finish(self, turn: Turn, cache: PromptCache, key: str, extra: KeyValue | None = None) -> bool:
-        """Store the new turn as pending, or emit it now if it ends its session. `extra`
-        rides along with the pending write (one round trip); True when it was written."""
+    def _anchor_local(
+        self, anchors: Sequence[str], state: list[dict[str, Any]]
+    ) -> tuple[int, str | None, str | None]:
+        """The anchor rule over the turns held in memory (an outage): (via, record, lineage)
+        as the close script answers them."""
+        via, h = self._local_anchors.decide(anchors)
+        held = self._local.pop(h, None) if h is not None else None
+        if h is None or held is None:
+            return via, None, None
+        self._close_local(h, held, state)
+        return via, held.record, held.lineage
+
+    async def finish(self, turn: Turn, cache: PromptCache, key: str, extra: KeyValue | None = None,
+                     anchors: Sequence[str] = ()) -> bool:  # fmt: skip
+        """Store the new turn as pending under `key` with its `anchors`, or emit it now if it
+        ends its session. `extra` rides along with the pending write (one round trip); True
+        when it was written."""
         if turn.closed_by == "session_done":  # emitted before the response goes out
             return await self._emit_now(turn.to_json(), extra)
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
         record, lineage = make_record(turn, cache, deadline)
-        return await self._store([(key, Held(record, deadline, lineage))], deadline, now, extra)
+        return await self._store([(key, Held(record, deadline, lineage, anchors))], deadline, now, extra)
 
-    async def finish_group(self, turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str]) -> None:
-        """The n members of a group (`keys[i]`: choice i's response hash) as pending turns
-        that close together (group_records), in one round trip; or emitted now if the
-        request ended its session."""
+    async def finish_group(self, turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str],
+                           anchors: Sequence[Sequence[str]] = ()) -> None:  # fmt: skip
+        """The n members of a group (`keys[i]`: choice i's response hash, `anchors[i]` its
+        anchors) as pending turns that close together (group_records), in one round trip;
+        or emitted now if the request ended its session."""
         if turns[0].closed_by == "session_done":
             await asyncio.gather(*(self._emit_now(t.to_json(), None) for t in turns))
             return
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
-        await self._store(group_records(turns, cache, keys, deadline), deadline, now, None)
+        await self._store(group_records(turns, cache, keys, deadline, anchors), deadline, now, None)
 
     async def _store(self, entries: list[tuple[str, Held]], deadline: float, now: float,
                      extra: KeyValue | None) -> bool:  # fmt: skip
@@ -260,8 +308,10 @@ class Capture:
         if self.state is State.UP:
             try:
                 async with asyncio.timeout(self.timeout):
-                    items = [(key, held.record, held.lineage) for key, held in entries]
-                    await self.fast.put_many(items, deadline, now, extra)
+                    items = [(key, held.record, held.lineage, held.anchors) for key, held in entries]
+                    collided = await self.fast.put_many(items, deadline, now, extra)
+                if collided:
+                    M.PENDING.labels("same_conversation").inc(collided)
                 self._strikes = 0
                 return True
             except FAILURES as exc:
@@ -335,12 +385,16 @@ class Capture:
             self._local[key] = held
             while len(self._local) > self.cfg.fallback_max_pending:
                 self._local.popitem(last=False)  # still in the spool: it reaches Redis later
+            self._local_anchors.register(key, held.anchors)
             M.FALLBACK_PENDING.set(len(self._local))
         self._spool_pending(key, held)
 
     def _spool_pending(self, key: str, held: Held) -> None:
-        self._spool({"op": "pending", "h": key, "record": held.record,
-                     "deadline": held.deadline, "lineage": held.lineage})  # fmt: skip
+        op: Op = {"op": "pending", "h": key, "record": held.record, "deadline": held.deadline,
+                  "lineage": held.lineage}  # fmt: skip
+        if held.anchors:
+            op["anchors"] = list(held.anchors)
+        self._spool(op)
 
     def _close_local(self, key: str, held: Held, state: list[dict[str, Any]]) -> None:
         """Close a turn held in memory (an outage) and, as the close script does, its group
@@ -400,7 +454,9 @@ class Capture:
             if shed:
                 M.SHED.labels("stream_bound").inc(shed)
             if won < SWEEP_BATCH:
-                return
+                break
+        self.sweeps += 1
+        M.SWEEPS.inc()
 
     def _sweep_local(self) -> None:
         now = time.time()
@@ -424,6 +480,7 @@ class Capture:
         if await self._flush() and not self.spool.has_data() and self.state is State.RECOVERING:
             self.state = State.UP
             self._closed_here.clear()
+            self._local_anchors.clear()  # replayed with their turns: Redis holds them now
             M.REDIS_UP.set(1)
             log.info("Redis answers again: spool replayed, capture back on Redis")
 
@@ -458,7 +515,8 @@ class Capture:
             held = self._local.pop(key, None)
             try:
                 await asyncio.wait_for(self.store.put(
-                    key, op["record"], float(op["deadline"]), op["lineage"], time.time()
+                    key, op["record"], float(op["deadline"]), op["lineage"], time.time(),
+                    anchors=op.get("anchors", ()),
                 ), self.slow_timeout)  # fmt: skip
             except FAILURES:
                 if held is not None:

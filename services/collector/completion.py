@@ -6,12 +6,16 @@ whose PromptCache lets the prompt be tokenized incrementally; call the engine th
 the process's one pooled client with the exact ids; parse the sampled text into an
 assistant message (content, reasoning, tool calls); answer; hand the turn to capture.
 
-Engine failures map to OpenAI-shaped errors: cannot connect / 5xx / the generation was
-aborted -> 502, no answer (or no next stream chunk) within the timeout -> 504, the
-engine refused the request (e.g. prompt too long, or a response_format schema its
-grammar compiler cannot use: `param` "response_format") -> 400. In a stream, a failure
+A prompt that does not fit the policy's context window is refused before the engine is
+called, in the API's own words (context_window.py; a `max_tokens` past the window is
+cut to the room left, or refused). Engine failures map to errors in the API's shape:
+cannot connect / 5xx / the generation was aborted -> 502, no answer (or no next stream
+chunk) within the timeout -> 504, the engine refused the request -> 400 (its prompt too
+long: the same overflow refusal; a response_format schema its grammar compiler cannot
+use: `param` "response_format"; its own credentials refused: 502). In a stream, a failure
 after the first token is one `data: {"error": …}` event and the end of the stream (the
-official SDK raises APIError); such a half-finished turn is never captured.
+official SDK raises APIError); such a half-finished turn is never captured. Any other
+failure once the 200 went out (a bug) ends the stream the same way, never silently.
 
 `n > 1` (non-streamed chat completions only): n engine requests of the same prompt ids
 at once, n choices in one response, captured as one group of n turns (`complete_group`).
@@ -35,7 +39,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.collector import metrics as M
+from services.collector.builtin_tools import DROPPED_HEADER, header_value
 from services.collector.capture import Capture, Lookup
+from services.collector.context_window import Api, engine_refusal, fit
 from services.collector.openai_shapes import (
     ApiError,
     ChunkWriter,
@@ -47,7 +53,14 @@ from services.collector.openai_shapes import (
     dumps,
     logprob_content,
 )
-from services.collector.pairing import candidates, prefix_hashes, response_hash
+from services.collector.pairing import (
+    Conversation,
+    analyze,
+    candidates,
+    offer,
+    response_hash,
+    stored_anchors,
+)
 from services.collector.pending_store import KeyValue
 from services.collector.request import ChatCall
 from services.collector.settings import CollectorConfig
@@ -78,15 +91,15 @@ from shared.toolcalls import (
 log = logging.getLogger(__name__)
 
 
-def engine_error(exc: EngineError) -> ApiError:
-    """An engine failure as the client sees it (details go to the log, not the client)."""
+def engine_error(exc: EngineError, api: Api = "chat") -> ApiError:
+    """An engine failure as the client sees it (details of an outage go to the log, not
+    the client; a refusal says why, an overflow in `api`'s words: context_window.py)."""
     log.warning("engine call failed: %s", exc)
     if isinstance(exc, EngineTimeout):
         return ApiError(504, "the model server did not answer in time; retry later",
                         code="engine_timeout", kind="server_error")  # fmt: skip
     if isinstance(exc, EngineRejected):
-        status = exc.status_code if 400 <= exc.status_code < 500 else 400
-        return ApiError(status, f"the model server refused the request: {exc}", code="engine_rejected")
+        return engine_refusal(api, exc)
     return ApiError(502, "the model server is unavailable; retry later",
                     code="engine_unavailable", kind="server_error")  # fmt: skip
 
@@ -119,13 +132,19 @@ class Prepared:
     call: ChatCall
     ids: list[int]
     cache: PromptCache
-    sampling: SamplingLike  # the call's, asking to keep special tokens when `drop` is set
+    sampling: SamplingLike  # what the engine gets: `params`, asking to keep special tokens when `drop` is set
     drop: SpecialText | None  # special tokens' text to remove from the output
     reasoning_open: bool | None
-    hashes: list[bytes]
+    conv: Conversation | None  # a main-line turn's messages as pairing sees them
     lookup: Lookup
     requested_at: float
     session_id: str
+    params: SamplingParams | None = None  # the call's, max_tokens fitted to the window (None: as sent)
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """The sampling parameters the answer is sampled with (what its turn records)."""
+        return self.params or self.call.sampling
 
 
 @dataclass(slots=True)
@@ -161,8 +180,10 @@ class ChatService:
     def __init__(
         self, cfg: CollectorConfig, engine: EngineClient, template: ChatTemplate,
         capture: Capture, model_name: str, weight_version: str = "unknown",
+        context_length: int | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
+        self.context_length = context_length  # None: unknown (the engine's refusal is mapped)
         self.engine = engine
         self.template = template
         self.capture = capture
@@ -170,6 +191,7 @@ class ChatService:
         self.weight_version = weight_version
         self.stop_ids = list(template.stop_token_ids)
         self._pieces: TokenPieces | None = None
+        self._warned_tools = False
 
     # -- log-probs ---------------------------------------------------------------------------
 
@@ -180,8 +202,8 @@ class ChatService:
         return kwargs
 
     def _engine_error(self, call: ChatCall, exc: EngineError) -> ApiError:
-        err = engine_error(exc)
-        if isinstance(exc, EngineRejected) and call.sampling.json_schema is not None and (
+        err = engine_error(exc, call.api)
+        if err.code == "engine_rejected" and call.sampling.json_schema is not None and (
             "json_schema" in str(exc) or "grammar" in str(exc) or "structured" in str(exc)
         ):
             err.param = "response_format"
@@ -217,32 +239,49 @@ class ChatService:
 
     # -- shared steps ----------------------------------------------------------------------
 
+    def _unrendered_tools(self) -> None:
+        """A request offered tools the chat template leaves out: the model never sees them."""
+        M.UNRENDERED_TOOLS.inc()
+        if not self._warned_tools:
+            self._warned_tools = True
+            log.warning("requests offer tools, but the model's chat template renders no tools: the "
+                        "model never sees them and will not call them (serve a model whose template "
+                        "takes tools, or set NEXTSTATE_COLLECTOR__CHAT_TEMPLATE); counted in "
+                        "nextstate_collector_unrendered_tools_total", extra={"model": self.model_name})
+
     async def prepare(self, call: ChatCall) -> Prepared:
         requested_at = time.time()
+        if call.tools and not self.template.renders_tools:
+            self._unrendered_tools()
         try:
             prompt = self.template.render_prompt(call.messages, call.tools)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        hashes: list[bytes] = []
+        conv: Conversation | None = None
         lookup = Lookup()
         if call.turn_type == "main":
-            hashes = prefix_hashes(call.messages)
-            cands = candidates(call.messages, hashes, self.cfg.max_pairing_candidates)
-            lookup = await self.capture.begin(call.raw_messages, cands)
+            conv = analyze(call.messages, call.session_hint or call.user)
+            cands = candidates(call.messages, conv.hashes, self.cfg.max_pairing_candidates)
+            tolerant = offer(conv, self.cfg.pairing_min_anchor_chars) if self.cfg.pairing == "anchors" else None
+            lookup = await self.capture.begin(call.raw_messages, cands, tolerant)
         try:
             ids, cache = self.template.encode_rendering(prompt, lookup.cache)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         M.TOKENIZE.labels("incremental" if lookup.cache is not None else "full").inc()
+        asked = call.sampling.max_tokens
+        room = fit(call.api, len(ids), self.context_length, asked, self.cfg.max_tokens_over_context)
+        base = call.sampling if room == asked else call.sampling.model_copy(update={"max_tokens": room})
         session = call.session_hint or lookup.session_id or call.user or uuid.uuid4().hex
         opens = prompt_opens_reasoning(prompt.text) if self.cfg.reasoning else None
         # A tool-call or reasoning marker that is a special token must survive decoding.
         markers = output_markers(self.cfg.tool_parser, tools_enabled=call.tools_enabled,
                                  reasoning=self.cfg.reasoning)  # fmt: skip
         drop = self.template.output_special_text(markers)
-        sampling: SamplingLike = call.sampling if drop is None else {
-            **call.sampling.model_dump(exclude_none=True), "skip_special_tokens": False}  # fmt: skip
-        return Prepared(call, ids, cache, sampling, drop, opens, hashes, lookup, requested_at, session)
+        sampling: SamplingLike = base if drop is None else {
+            **base.model_dump(exclude_none=True), "skip_special_tokens": False}  # fmt: skip
+        return Prepared(call, ids, cache, sampling, drop, opens, conv, lookup, requested_at, session,
+                        None if base is call.sampling else base)  # fmt: skip
 
     def prompt_tokens(self, call: ChatCall) -> int:
         """The length of `call`'s prompt: the ids a captured turn of it would hold (the
@@ -260,9 +299,13 @@ class ChatService:
 
     def headers(self, prep: Prepared | None = None, version: str | None = None) -> dict[str, str]:
         out = {"x-policy-version": version or self.weight_version}
-        sid = prep.session_id if prep is not None else ""
+        if prep is None:
+            return out
+        sid = prep.session_id
         if sid and sid.isascii() and sid.isprintable():  # headers are latin-1: echo only plain ids
             out["x-session-id"] = sid
+        if prep.call.dropped_tools:
+            out[DROPPED_HEADER] = header_value(prep.call.dropped_tools)
         return out
 
     def _turn(self, ans: Answer, group: tuple[str, int, int] | None = None) -> Turn:
@@ -281,9 +324,9 @@ class ChatService:
             prompt_ids=prep.ids,
             response_ids=result.output_ids,
             response_logprobs=result.output_logprobs,
-            sampling=ans.sampling or call.sampling,
+            sampling=ans.sampling or prep.sampling_params,
             weight_version=wv,
-            policy_version=int(wv) if wv.isdigit() else 0,
+            policy_version=int(wv) if wv.isascii() and wv.isdigit() else 0,
             finish_reason=ans.finish,
             completion_id=ans.id,
             closed_by="session_done" if call.session_done else "next_request",
@@ -325,12 +368,20 @@ class ChatService:
         Responses object) in the same Redis round trip when there is one: both are done
         before the answer goes out."""
         written = False
-        if ans.prep.call.turn_type == "main":
-            key = response_hash(ans.prep.hashes, ans.message)
+        conv = ans.prep.conv
+        if conv is not None:  # a main-line turn
+            key = response_hash(conv.hashes, ans.message)
             written = await self.capture.finish(self._turn(ans), ans.prep.cache, key,
-                                                None if extra is None else extra.item)  # fmt: skip
+                                                None if extra is None else extra.item,
+                                                self._anchors(conv, ans.message))  # fmt: skip
         if extra is not None:
             await extra.done(written)
+
+    def _anchors(self, conv: Conversation, message: dict[str, Any]) -> list[str]:
+        """The anchors a pending turn of `message` registers (none under the prefix rule)."""
+        if self.cfg.pairing != "anchors":
+            return []
+        return stored_anchors(conv, message, self.cfg.pairing_min_anchor_chars)
 
     def observe(self, ans: Answer, t0: float) -> None:
         total = time.perf_counter() - t0
@@ -375,7 +426,7 @@ class ChatService:
         cid = completion_id()
         prep = await self.prepare(call)
         kwargs = self._engine_kwargs(call)
-        samplings = [choice_sampling(call.sampling, i) for i in range(call.n)]
+        samplings = [choice_sampling(prep.sampling_params, i) for i in range(call.n)]
         t_engine = time.perf_counter()
         tasks = [asyncio.create_task(self.engine.generate(prep.ids, with_seed(prep.sampling, sp.seed), **kwargs))
                  for sp in samplings]  # fmt: skip
@@ -396,10 +447,11 @@ class ChatService:
             cid, int(time.time()), self.model_name, choices, first.prompt_tokens,
             sum(a.completion_tokens for a in answers), f"nextstate-{first.version}",
         )  # fmt: skip
-        if call.turn_type == "main":
+        if prep.conv is not None:  # a main-line turn
             turns = [self._turn(a, (cid, i, call.n)) for i, a in enumerate(answers)]
-            keys = [response_hash(prep.hashes, a.message) for a in answers]
-            await self.capture.finish_group(turns, prep.cache, keys)
+            keys = [response_hash(prep.conv.hashes, a.message) for a in answers]
+            anchors = [self._anchors(prep.conv, a.message) for a in answers]
+            await self.capture.finish_group(turns, prep.cache, keys, anchors)
         M.GROUP_CHOICES.inc(call.n)
         out = dumps(body)
         self.observe(first, t0)
@@ -430,6 +482,26 @@ class ChatService:
         return ChatEvents(completion_id(), self.model_name, version, prep.call.include_usage)
 
     async def _events(
+        self, prep: Prepared, chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
+        version: str, out: EventWriter,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """The stream's events; whatever fails once the 200 went out, the stream ends with
+        an error event in its API's shape, never a silent close."""
+        try:
+            async for event in self._stream_events(prep, chunks, first, version, out):
+                yield event
+        except Exception as exc:
+            log.exception("a streamed answer failed after its headers")
+            await _aclose(chunks)
+            self._count_stream(isinstance(out, ChatEvents), 500)
+            err = ApiError(500, f"internal error: {type(exc).__name__}; retry the request",
+                           code="internal_error", kind="server_error")  # fmt: skip
+            try:
+                yield out.error(err)
+            except Exception:  # the writer itself is broken: OpenAI's shape, as chat sends it
+                yield ChunkWriter.error(err)
+
+    async def _stream_events(
         self, prep: Prepared, chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
         version: str, out: EventWriter,
     ) -> AsyncIterator[bytes]:  # fmt: skip

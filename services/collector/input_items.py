@@ -30,6 +30,7 @@ from typing import Any
 
 from services.collector.openai_shapes import ApiError
 from services.collector.pairing import prefix_hashes
+from services.collector.responses_request import split_name
 
 INCLUDABLE = frozenset({
     "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
@@ -67,13 +68,23 @@ def conversation_items(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                             "status": "completed", "content": _parts(m["content"], "output_text")})  # fmt: skip
             for j, call in enumerate(m.get("tool_calls") or ()):
                 fn = call.get("function") or {}
-                out.append({"id": f"fc_{tag}_{j}", "type": "function_call", "status": "completed",
-                            "call_id": call.get("id", ""), "name": fn.get("name", ""),
-                            "arguments": fn.get("arguments", "")})  # fmt: skip
+                name, namespace = split_name(str(fn.get("name", "")))
+                item = {"id": f"fc_{tag}_{j}", "type": "function_call", "status": "completed",
+                        "call_id": call.get("id", ""), "name": name,
+                        "arguments": fn.get("arguments", "")}  # fmt: skip
+                if namespace is not None:
+                    item["namespace"] = namespace
+                out.append(item)
         else:
             out.append({"id": f"msg_{tag}", "type": "message", "role": role, "status": "completed",
                         "content": _parts(m.get("content"), "input_text")})  # fmt: skip
     return out
+
+
+def decimal(text: str) -> int | None:
+    """`text` as a non-negative integer when it is ASCII digits only (str.isdigit also
+    takes '²' and other digits int() refuses), else None."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -83,8 +94,9 @@ def _bad(message: str, param: str) -> ApiError:
 def page_params(query: Mapping[str, str], includes: Sequence[str]) -> tuple[int, str, str | None]:
     """(limit, order, after) from the query string, each checked as OpenAI checks it."""
     raw = query.get("limit", "20")
-    if not raw.strip().isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise _bad(f"Invalid 'limit': {raw!r}; an integer from 1 to {MAX_LIMIT}.", "limit")
+    limit = decimal(raw.strip())
+    if limit is None or not 1 <= limit <= MAX_LIMIT:
+        raise _bad(f"Invalid 'limit': {raw[:40]!r}; an integer from 1 to {MAX_LIMIT}.", "limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise _bad(f"Invalid value for 'order': {order!r}; use 'asc' or 'desc'.", "order")
@@ -92,7 +104,7 @@ def page_params(query: Mapping[str, str], includes: Sequence[str]) -> tuple[int,
         if value not in INCLUDABLE:
             raise _bad(f"Invalid value for 'include': {value!r} is not one of "
                        f"{', '.join(sorted(INCLUDABLE))}.", "include")  # fmt: skip
-    return int(raw), order, query.get("after") or None
+    return limit, order, query.get("after") or None
 
 
 def page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:

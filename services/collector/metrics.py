@@ -27,10 +27,16 @@ TURNS = Counter(
 )  # fmt: skip
 PENDING = Counter(
     "nextstate_collector_pending_total", "Pending-turn events",
-    ["event"],  # stored | closed | expired | unchosen_dropped (a group sibling, GROUP_UNCHOSEN=drop)
+    # stored | closed | expired | unchosen_dropped (a group sibling, GROUP_UNCHOSEN=drop) |
+    # same_conversation (stored unpairable: another session's turn has its very conversation)
+    ["event"],
 )  # fmt: skip
 GROUP_CHOICES = Counter(
     "nextstate_collector_group_choices_total", "Choices answered in completions with n > 1"
+)
+SWEEPS = Counter(
+    "nextstate_collector_sweeps_total",
+    "Sweeps for expired pending turns completed (flat while Redis is up: the sweeper is stuck)",
 )
 SPOOLED = Counter(
     "nextstate_collector_spooled_total", "Capture operations written to the local spool", ["op"]
@@ -60,4 +66,22 @@ API_REQUESTS = Counter(
 STORED_RESPONSES = Counter(
     "nextstate_collector_stored_responses_total", "Responses API objects written to Redis",
     ["result"],  # stored | failed
+)  # fmt: skip
+DROPPED_TOOLS = Counter(
+    "nextstate_collector_dropped_tools_total",
+    "Built-in tools requests offered that were left out of the prompt (UNSUPPORTED_TOOLS=drop)",
+    ["api", "type"],  # api: responses | messages; type: the tool type (Anthropic's by family)
+)  # fmt: skip
+UNRENDERED_TOOLS = Counter(
+    "nextstate_collector_unrendered_tools_total",
+    "Requests whose tools the chat template left out of the prompt (it renders no tools)",
+)
+PAIRED = Counter(
+    "nextstate_collector_paired_total", "Pending turns closed by a follow-up, by the rule that paired them",
+    ["rule"],  # prefix | history | exchange | answer | previous (services/collector/pairing.py)
+)  # fmt: skip
+PAIRING_REFUSED = Counter(
+    "nextstate_collector_pairing_refused_total",
+    "Follow-ups paired with none because the turn they continue could be several sessions'",
+    ["reason"],  # ambiguous (an anchor several turns registered) | same_conversation
 )  # fmt: skip

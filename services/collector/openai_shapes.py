@@ -139,11 +139,17 @@ class ChunkWriter:
         return b"data: [DONE]\n\n"
 
 
-def model_list(name: str, owned_by: str = "nextstate") -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": owned_by}],
-    }
+def model_card(name: str, context_length: int | None, owned_by: str = "nextstate") -> dict[str, Any]:
+    """The served model as OpenAI lists it, with its context window as vLLM (`max_model_len`)
+    and OpenRouter / LM Studio (`context_length`) report it, when known."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": int(time.time()), "owned_by": owned_by}
+    if context_length is not None:
+        card["max_model_len"] = card["context_length"] = context_length
+    return card
+
+
+def model_list(name: str, context_length: int | None = None) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(name, context_length)]}
 
 
 # -- token log-probs ------------------------------------------------------------------------------

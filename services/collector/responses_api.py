@@ -48,6 +48,7 @@ from services.collector.responses_request import (
     ResponsesRequest,
     build_responses_call,
     parse_responses,
+    split_name,
 )
 from services.collector.text_logprobs import TextLogprobs
 from shared.schemas import SamplingParams
@@ -83,8 +84,14 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
 
 
 def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or new_id("fc_"), "type": "function_call", "status": "completed",
-            "call_id": call_id, "name": name, "arguments": arguments}  # fmt: skip
+    """A tool call as a `function_call` item; a namespaced function's flat name
+    (`namespace.function`, responses_request.py) as its `name` and `namespace`."""
+    fn, namespace = split_name(name)
+    item = {"id": item_id or new_id("fc_"), "type": "function_call", "status": "completed",
+            "call_id": call_id, "name": fn, "arguments": arguments}  # fmt: skip
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def output_items(message: Mapping[str, Any], finish: str,

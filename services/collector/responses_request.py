@@ -17,10 +17,15 @@ and the same `Turn` is captured, whichever API the agent speaks:
 - `previous_response_id` -> the stored conversation of that response (response_store.py),
   then this request's input;
 - function `tools` ({type, name, description, parameters, strict}) -> chat tools in chat's
-  key order (the order a template's `tojson` writes them); built-in tools (web search,
-  file search, computer use, code interpreter, …) are refused with a 400: the engine
-  cannot run them;
-- `tool_choice` none / auto / required / {type: function, name}; `text.format` text /
+  key order (the order a template's `tojson` writes them); a `namespace` tool (the Codex
+  CLI's `multi_agent_v1`) -> the function tools it holds, each named `namespace.name`
+  (a function name cannot hold a dot, so the flat name is unambiguous); a tool call of
+  such a name goes back as a `function_call` with `name` and `namespace`, and comes back
+  (a `function_call` item with a `namespace`) as the same flat name, so the captured
+  turn and its follow-up agree; built-in tools (web search, file search, computer use,
+  code interpreter, …) are left out of the prompt or refused (builtin_tools.py);
+- `tool_choice` none / auto / required / {type: function, name[, namespace]} (one forcing a
+  built-in tool is a 400); `text.format` text /
   json_object / json_schema -> constrained decoding, as chat's `response_format`;
   `max_output_tokens`, `temperature`, `top_p` (and the extensions `top_k`, `seed`).
 
@@ -44,23 +49,20 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from services.collector.builtin_tools import RESPONSES_BUILTINS, Dropped
 from services.collector.openai_shapes import ApiError
 from services.collector.request import (
     JSON_OBJECT_SCHEMA,
     NAME_RE,
     ChatCall,
     _Strict,
+    check_integers,
     make_call,
     schema_error,
 )
 from services.collector.settings import CollectorConfig
 from shared.chat_messages import PART_SEPARATOR
 
-BUILTIN_TOOLS = frozenset({
-    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
-    "file_search", "computer", "computer_use", "computer_use_preview", "code_interpreter",
-    "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom", "tool_search",
-})  # fmt: skip
 INPUT_TEXT = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` asking for output_text.logprobs
 ROLES = ("user", "system", "developer", "assistant")
@@ -114,13 +116,15 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     if not body.strip():
         raise _bad("the request body is empty: send a JSON object", None)
     try:
-        return ResponsesRequest.model_validate_json(body)
+        req = ResponsesRequest.model_validate_json(body)
     except ValidationError as exc:
         if any(e.get("type") == "json_invalid" for e in exc.errors()):
             raise _bad("the request body is not valid JSON", None, "invalid_json") from None
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors()):
             raise _bad("the request body must be a JSON object", None, "invalid_type") from None
         raise schema_error(exc) from None
+    check_integers(body)
+    return req
 
 
 # -- input items -> chat messages ---------------------------------------------------------
@@ -235,7 +239,7 @@ class Conversation:
 
     def _function_call(self, where: str, item: Mapping[str, Any]) -> None:
         call_id = _str_field(item, "call_id", where)
-        name = _str_field(item, "name", where)
+        name = flat_name(_str_field(item, "name", where), item.get("namespace"))
         args = _str_field(item, "arguments", where)
         if self.turn is None:
             self._need_answers(where)
@@ -297,35 +301,96 @@ def input_messages(req: ResponsesRequest, prior: list[dict[str, Any]] | None) ->
 # -- tools ----------------------------------------------------------------------------------
 
 
-def chat_tools(tools: list[Any] | None) -> tuple[list[dict[str, Any]] | None, list[str]]:
-    """Function tools as chat tools (chat's key order), and their names."""
+def flat_name(name: str, namespace: Any = None) -> str:
+    """The chat tool name of a function (of a namespace): `namespace.name`. A function
+    name cannot hold a dot (1-64 letters, digits, _ or -), so the flat name is unambiguous."""
+    return f"{namespace}.{name}" if isinstance(namespace, str) and namespace else name
+
+
+def split_name(flat: str) -> tuple[str, str | None]:
+    """A chat tool call's name as a Responses function call's (name, namespace)."""
+    namespace, dot, name = flat.partition(".")
+    return (name, namespace) if dot and name and namespace else (flat, None)
+
+
+def _function(tool: Mapping[str, Any], where: str, namespace: str | None = None) -> dict[str, Any]:
+    name = tool.get("name")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise _bad(f"Invalid '{where}.name': {name!r}; a function name is 1-64 letters, "
+                   "digits, _ or -.", "tools")  # fmt: skip
+    fn: dict[str, Any] = {"name": flat_name(name, namespace)}
+    for key, types in (("description", str), ("parameters", dict), ("strict", bool)):
+        value = tool.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, types):
+            raise _bad(f"Invalid type for '{where}.{key}'.", "tools", "invalid_type")
+        fn[key] = value
+    return {"type": "function", "function": fn}
+
+
+def _kind(tool: Any, where: str) -> str:
+    if not isinstance(tool, Mapping):
+        raise _bad(f"Invalid type for '{where}': expected an object.", "tools", "invalid_type")
+    kind = tool.get("type")
+    if not isinstance(kind, str):
+        missing = kind is None
+        raise _bad(f"Missing required parameter: '{where}.type'." if missing else
+                   f"Invalid type for '{where}.type': expected a string, but got "
+                   f"{type(kind).__name__} instead.", "tools",
+                   "missing_required_parameter" if missing else "invalid_type")  # fmt: skip
+    return kind
+
+
+def _builtin(kind: str, where: str, dropped: Dropped) -> None:
+    dropped.offer(kind, kind, _bad(
+        f"Invalid '{where}': the built-in tool {kind!r} cannot run on this server (it serves a "
+        "model, not OpenAI's tools); define it as a function tool and run it in your agent, or "
+        "let this server leave it out (NEXTSTATE_COLLECTOR__UNSUPPORTED_TOOLS=drop).", "tools",
+        "unsupported_value"))  # fmt: skip
+
+
+def _namespace(tool: Mapping[str, Any], where: str, dropped: Dropped) -> list[dict[str, Any]]:
+    """A namespace's function tools, named `namespace.function`."""
+    ns = tool.get("name")
+    if not isinstance(ns, str) or not NAME_RE.match(ns):
+        raise _bad(f"Invalid '{where}.name': {ns!r}; a namespace name is 1-64 letters, digits, _ "
+                   "or -.", "tools")  # fmt: skip
+    inner = tool.get("tools")
+    if not isinstance(inner, list):
+        raise _bad(f"Invalid type for '{where}.tools': expected an array of tools.", "tools", "invalid_type")
+    out = []
+    for j, member in enumerate(inner):
+        here = f"{where}.tools[{j}]"
+        kind = _kind(member, here)
+        if kind == "function":
+            out.append(_function(member, here, ns))
+        elif kind == "custom":
+            _builtin(kind, here, dropped)
+        else:
+            raise _bad(f"Invalid value for '{here}.type': {kind!r}; a namespace holds 'function' "
+                       "and 'custom' tools.", "tools")  # fmt: skip
+    return out
+
+
+def chat_tools(tools: list[Any] | None, dropped: Dropped) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """Function tools as chat tools (chat's key order), a namespace's as its functions
+    (`namespace.function`), and their names; built-in tools to `dropped`."""
     if tools is None:
         return None, []
     out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(tool, Mapping):
-            raise _bad(f"Invalid type for '{where}': expected an object.", "tools", "invalid_type")
-        kind = tool.get("type")
-        if kind in BUILTIN_TOOLS:
-            raise _bad(f"Invalid '{where}': the built-in tool {kind!r} cannot run on this server "
-                       "(it serves a model, not OpenAI's tools); define it as a function tool and "
-                       "run it in your agent.", "tools", "unsupported_value")  # fmt: skip
-        if kind != "function":
-            raise _bad(f"Invalid value for '{where}.type': {kind!r}; expected 'function'.", "tools")
-        name = tool.get("name")
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise _bad(f"Invalid '{where}.name': {name!r}; a function name is 1-64 letters, "
-                       "digits, _ or -.", "tools")  # fmt: skip
-        fn: dict[str, Any] = {"name": name}
-        for key, types in (("description", str), ("parameters", dict), ("strict", bool)):
-            value = tool.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, types):
-                raise _bad(f"Invalid type for '{where}.{key}'.", "tools", "invalid_type")
-            fn[key] = value
-        out.append({"type": "function", "function": fn})
+        kind = _kind(tool, where)
+        if kind == "function":
+            out.append(_function(tool, where))
+        elif kind == "namespace":
+            out += _namespace(tool, where, dropped)
+        elif kind in RESPONSES_BUILTINS:
+            _builtin(kind, where, dropped)
+        else:
+            raise _bad(f"Invalid value for '{where}.type': {kind!r}; expected 'function' or "
+                       "'namespace' (or a built-in tool type).", "tools")  # fmt: skip
     return out or None, [t["function"]["name"] for t in out]
 
 
@@ -336,16 +401,23 @@ def _tools_enabled(choice: Any, names: list[str]) -> bool:
         return False
     if choice == "required":
         if not names:
-            raise _bad("Invalid value for 'tool_choice': 'required' needs 'tools'.", "tool_choice")
+            raise _bad("Invalid value for 'tool_choice': 'required' needs 'tools' (function tools: "
+                       "built-in ones cannot run here).", "tool_choice")  # fmt: skip
         return True
     if isinstance(choice, Mapping):
         kind = choice.get("type")
         if kind == "function":
             name = choice.get("name")
+            if isinstance(name, str):
+                name = flat_name(name, choice.get("namespace"))
             if name not in names:
                 raise _bad(f"Invalid value for 'tool_choice': no function named {name!r} in tools.",
                            "tool_choice")  # fmt: skip
             return True
+        if isinstance(kind, str) and kind in RESPONSES_BUILTINS:
+            raise _bad(f"Invalid value for 'tool_choice': it forces the built-in tool {kind!r}, which "
+                       "this server cannot run (it serves a model, not OpenAI's tools); use auto, "
+                       "required or a function tool.", "tool_choice", "unsupported_value")  # fmt: skip
         raise _bad(f"Invalid value for 'tool_choice.type': {kind!r} is not supported here; use "
                    "none, auto, required or {\"type\": \"function\", \"name\": …}.", "tool_choice",
                    "unsupported_value")  # fmt: skip
@@ -396,7 +468,8 @@ def build_responses_call(
     if req.previous_response_id is not None and prior is None:
         raise AssertionError("the caller looks previous_response_id up first")
     history = input_messages(req, prior)
-    tools, names = chat_tools(req.tools)
+    dropped = Dropped("responses", cfg.unsupported_tools)
+    tools, names = chat_tools(req.tools, dropped)
     enabled = _tools_enabled(req.tool_choice, names)
     messages = history if req.instructions is None else [
         {"role": "system", "content": req.instructions}, *history]  # fmt: skip
@@ -406,7 +479,7 @@ def build_responses_call(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_output_tokens, seed=req.seed, json_schema=text_format(req.text),
         stream=bool(req.stream), user=req.user or req.safety_identifier,
-        session_id=req.session_id, messages_param="input", logprobs=logprobs,
-        top_logprobs=(req.top_logprobs or 0) if logprobs else 0,
+        session_id=req.session_id, messages_param="input", logprobs=logprobs, api="responses",
+        top_logprobs=(req.top_logprobs or 0) if logprobs else 0, dropped_tools=dropped.header(),
     )  # fmt: skip
     return ResponsesCall(req, call, history)

@@ -4,6 +4,7 @@
     NEXTSTATE_COLLECTOR__ENGINE_KIND=sglang     sglang (also our CPU engine) or vllm
     NEXTSTATE_COLLECTOR__ENGINE_URL=http://127.0.0.1:30000
     NEXTSTATE_COLLECTOR__ENGINE_TIMEOUT_S=120   no answer (or no next stream chunk) -> 504
+    NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS=false  true with LoRA versions: name the served adapter
     NEXTSTATE_COLLECTOR__API_KEYS=k1,k2         bearer keys (comma list or JSON list);
                                                 required when NEXTSTATE_ENV=prod
     NEXTSTATE_COLLECTOR__TOKENIZER=/models/x    default: the engine's /model_info tokenizer_path
@@ -16,6 +17,12 @@
     NEXTSTATE_COLLECTOR__MAX_N=16               the largest `n` (choices per chat completion)
     NEXTSTATE_COLLECTOR__GROUP_UNCHOSEN=keep    keep | judge | drop: the other n - 1 choices
                                                 once a follow-up continues one of them
+    NEXTSTATE_COLLECTOR__PAIRING=anchors        anchors | prefix: how a follow-up finds the
+                                                turn it continues (pairing.py); prefix is
+                                                the exact rule alone
+    NEXTSTATE_COLLECTOR__PAIRING_MIN_ANCHOR_CHARS=32
+                                                an anchor with fewer bytes of text and tool
+                                                calls is not used (unless scoped to a session id)
 
 Groups (`n > 1`): the n choices are captured as n turns of one group. A follow-up that
 continues choice k closes k's turn with its next state, and at the same moment its
@@ -50,6 +57,9 @@ from shared.toolparsers import tool_parser_names
 
 TurnTypeSetting = Literal["main", "side"]
 GroupUnchosen = Literal["keep", "judge", "drop"]
+OverContext = Literal["clamp", "refuse"]
+UnsupportedTools = Literal["drop", "refuse"]
+PairingRule = Literal["prefix", "anchors"]
 
 
 class CollectorConfig(BaseModel):
@@ -63,6 +73,7 @@ class CollectorConfig(BaseModel):
     engine_timeout_s: float = Field(120.0, gt=0, description="per request / per stream chunk")
     engine_connect_timeout_s: float = Field(5.0, gt=0)
     engine_max_connections: int = Field(256, ge=1)
+    engine_adapters: bool = Field(False, description="the policy is served as LoRA adapters (nextstate up --lora): name the adapter the engine's weight version points at in every request (SGLang and vLLM serve the base model to requests that name none; our engine serves its newest adapter either way)")
     startup_timeout_s: float = Field(120.0, ge=0, description="wait this long for the engine at start")
     served_model_name: str | None = None  # default: the engine's served_model_name
     tokenizer: str | None = None  # default: the engine's /model_info tokenizer_path
@@ -78,6 +89,20 @@ class CollectorConfig(BaseModel):
     default_top_k: int = -1
     default_max_tokens: int | None = Field(None, ge=1)
     max_n: int = Field(16, ge=1, description="the largest n (choices per chat completion)")
+    context_length: int | None = Field(
+        None, ge=2, description="the policy's context window in tokens; a prompt that does not "
+        "fit is refused before the engine is called (400 context_length_exceeded). Default: the "
+        "engine's model info (context_length, vLLM's max_model_len), else the model config "
+        "(max_position_embeddings)")  # fmt: skip
+    max_tokens_over_context: OverContext = Field(
+        "clamp", description="a max_tokens (max_output_tokens) that runs past the context window: "
+        "clamp cuts it to the room left (the answer ends with finish_reason length, as vLLM "
+        "does), refuse answers 400 context_length_exceeded (as OpenAI and SGLang do)")  # fmt: skip
+    unsupported_tools: UnsupportedTools = Field(
+        "drop", description="built-in tools a request offers that the engine cannot run (web "
+        "search, file search, code interpreter, computer use, Anthropic server tools): drop "
+        "leaves them out of the prompt and names them in the X-Nextstate-Dropped-Tools response "
+        "header; refuse answers 400. A tool_choice forcing one is a 400 either way")  # fmt: skip
 
     # -- capture --------------------------------------------------------------------------
     default_turn_type: TurnTypeSetting = "main"
@@ -90,6 +115,10 @@ class CollectorConfig(BaseModel):
     spool_max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
     fallback_max_pending: int = Field(10_000, ge=0, description="pending turns kept in memory in an outage")
     max_pairing_candidates: int = Field(64, ge=1, description="assistant messages checked per request")
+    pairing: PairingRule = Field("anchors", description="prefix: the exact prefix rule only; anchors: "
+                                 "then the anchors of the last response (services/collector/pairing.py)")
+    pairing_min_anchor_chars: int = Field(32, ge=0, description="bytes of text and tool calls an "
+                                          "unscoped anchor's messages need (fewer: not used)")
     responses_ttl_s: float = Field(3600.0, gt=0, description="stored Responses API objects live this long")
     group_unchosen: GroupUnchosen = "keep"  # the other choices of a group, once one is continued
 

@@ -17,8 +17,8 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | role | may do | on keys |
 | --- | --- | --- |
 | collector | publish turns (bounded-XADD script: EVALSHA XLEN XADD INCR) | `P:turns`, `P:shed:turns` |
-| | close-and-emit script: EVALSHA (inside it, GET DEL ZREM and the bounded XADD, as granted above and below) | `P:turns`, `P:shed:turns`, `P:pending:*`, `P:pending-deadlines` |
-| | pending turns: GET SET GETDEL DEL ZADD ZREM ZRANGEBYSCORE | `P:pending:*`, `P:pending-deadlines`, `P:lineage:*` |
+| | close-and-emit and anchor scripts: EVALSHA (inside them, GET SET DEL EXISTS ZREM and the bounded XADD, as granted above and below) | `P:turns`, `P:shed:turns`, `P:pending:*`, `P:pending-deadlines`, `P:anchor:*` |
+| | pending turns: GET SET GETDEL DEL EXISTS ZADD ZREM ZRANGEBYSCORE | `P:pending:*`, `P:pending-deadlines`, `P:lineage:*`, `P:anchor:*` |
 | | stored Responses objects (`store`, `previous_response_id`): GET SET DEL | `P:response:*` |
 | judge | consume group `judge`: XGROUP CREATE, XREADGROUP, XACK, XCLAIM, XPENDING, XINFO GROUPS, XLEN, XRANGE, XREVRANGE, XTRIM, EVALSHA (trim) | `P:turns` |
 | | dedupe marks: EXISTS SET | `P:done:judge:*` |
@@ -37,6 +37,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | ledger: EVALSHA HSETNX HINCRBY HEXISTS HGETALL SADD SCARD SISMEMBER EXPIRE SET GET DEL EXISTS ZADD ZSCORE ZREM ZRANGE | `P:session:*:samples`, `P:session:*:decisions`, `P:session:*:settled`, `P:buffer-counts`, `P:force-candidates`, `P:force-candidate:*`, `P:batched:*` |
 | | the run owning the prefix: SET GET | `P:run` |
 | | staleness: GET | `P:trainer-version` (read only) |
+| | what the archive holds on purpose (for `nextstate status`): HSET HDEL | `P:archive-state` (write only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | trainer | consume group `trainer` (as the judge's) | `P:batches`, `P:done:trainer:*` |
 | | announce a version: XADD / SET | `P:checkpoints` / `P:trainer-version` (write only) |
@@ -221,13 +222,13 @@ def rq_worker(k: Keys, queue: str | None = None, job: str = RQ_EVAL_JOB) -> Gran
 def grants(role: str, k: Keys) -> list[Grant]:
     """What `role` may do on the keys of `k` (selectors; `ctl`, `keda` have none)."""
     if role == "collector":
-        pending = (k.pending_turn("*"), k.pending_deadlines)
+        pending = (k.pending_turn("*"), k.pending_deadlines, k.pairing_anchor("*"))
         return [
             _publish(k, K.TURNS),
             # Closing a pending turn emits it in one script (collector/pending_store.py): the
             # script's keys in one selector; each command inside is checked by the others.
             Grant(("evalsha",), _rw(k.turns, k.shed(k.turns), *pending)),
-            Grant(("get", "set", "getdel", "del", "zadd", "zrem", "zrangebyscore"),
+            Grant(("get", "set", "getdel", "del", "exists", "zadd", "zrem", "zrangebyscore"),
                   _rw(*pending, k.turn_lineage("*"))),
             Grant(("get", "set", "del"), _rw(k.stored_response("*"))),
         ]
@@ -265,6 +266,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
                       k.episode_group("*"), k.chat_groups, k.chat_group("*"))),
             Grant(("set", "get"), _rw(k.run_owner)),
             Grant(("get",), _r(k.trainer_version)),
+            Grant(("hset", "hdel"), _w(k.archive_state)),
             _dead(k),
         ]
     if role == "trainer":

@@ -51,6 +51,11 @@ The stack record `<home>/up/<run>/stack.json` says what runs where, for the CLI:
 (name -> `port`, `pid`, `url`). It is rewritten when a pid or port changes and marked
 `"stopped": true` when `up` exits. It holds no secrets.
 
+With `--lora R` the trainer trains LoRA adapters (rank R, alpha 2R, lr LORA_LR unless
+`--lr`) and publishes each version as its adapter; the engines (ours, or vLLM started with
+`--enable-lora`) load it by name beside the base weights, and the collector and judges name
+the served adapter in their requests (docs/weights.md).
+
 Every `NEXTSTATE_*` variable in the environment still applies to the services (it wins
 over the defaults chosen here); the flags below win over both (`--judge-model` sets the
 judges' URL, model name and key: the judge-model engine's, with the internal token).
@@ -132,6 +137,10 @@ def register(sub: Any) -> None:
                         "HF folder, or `policy` for the policy's base weights (never the serving engine)")
     p.add_argument("--gate", action="store_true",
                    help="serve a version only once its evaluations pass (NEXTSTATE_GATE__ENABLED)")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="train LoRA adapters of rank R (alpha 2R) and serve each version as its adapter, "
+                        "loaded by name beside the base weights (docs/weights.md); the learning rate "
+                        f"defaults to {LORA_LR:g}")
     p.set_defaults(func=main)
 
 
@@ -144,6 +153,20 @@ MODES: dict[str, dict[str, str]] = {
     "combine": {"judge": "combine", "samples": "combine"},
     "oel": {"judge": "opd", "samples": "opd", "loss": "opd_topk", "teacher": "experience"},
 }
+
+
+# LoRA's learning rate: about ten times full fine-tuning's (the trainer's default, 1e-6), as
+# LoRA needs to move its few parameters as far.
+LORA_LR = 1e-5
+
+
+def lora_env(rank: int | None) -> dict[str, str]:
+    """The trainer's settings of `--lora R` (none without it)."""
+    if rank is None:
+        return {}
+    return {"NEXTSTATE_TRAINER__LORA": "true", "NEXTSTATE_TRAINER__LORA_RANK": str(rank),
+            "NEXTSTATE_TRAINER__LORA_ALPHA": str(2 * rank), "NEXTSTATE_TRAINER__LORA_PUBLISH": "adapter",
+            "NEXTSTATE_TRAINER__LR": str(LORA_LR)}
 
 
 def mode_env(mode: str, topk: int, has_judge_model: bool) -> dict[str, dict[str, str]]:
@@ -192,6 +215,10 @@ def main(args: argparse.Namespace) -> int:
         choice = load_settings(EngineChoiceSettings).engine
         if args.engine is not None:
             choice = choice.model_copy(update={"kind": args.engine})
+        if args.lora is not None:
+            if args.lora < 1:
+                raise SettingsError("--lora R needs a rank R >= 1, e.g. --lora 16")
+            choice = choice.model_copy(update={"lora_rank": args.lora})
         args.engine = choice.kind
         args.vllm = VLLMLaunch.from_choice(choice) if choice.kind == "vllm" else None
         if choice.kind == "vllm" and "loss" in MODES[args.mode]:
@@ -383,6 +410,8 @@ class Stack:
 
         def engine_proc(port: int) -> Proc:
             argv, env = _python("services.engine", "--model", m, "--port", str(port)), dict(self.env)
+            if a.lora is not None:
+                env["NEXTSTATE_ENGINE__MAX_LORA_RANK"] = str(a.lora)
             if vllm is not None:  # vLLM's server, by its own venv's python
                 argv, extra = vllm.command(model, port)
                 env.update(extra)
@@ -407,6 +436,7 @@ class Stack:
                 "NEXTSTATE_TRAINER__WORK_DIR": str(self.root / "trainer"),
                 **self.bucket_role("trainer"),
             }
+            trainer_env.update(lora_env(a.lora))
             if a.lr is not None:
                 trainer_env["NEXTSTATE_TRAINER__LR"] = str(a.lr)
             first.append(self.service("trainer", "services.trainer", trainer_env, "/readyz",
@@ -430,6 +460,7 @@ class Stack:
             "NEXTSTATE_COLLECTOR__ENGINE_KIND": kind,
             "NEXTSTATE_COLLECTOR__TOKENIZER": m,
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
+            **({"NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS": "true"} if a.lora is not None else {}),
         }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port)]
         if judging is None:
             second += self.judges(method["judge"], engine, kind, m)
@@ -478,6 +509,7 @@ class Stack:
             "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
             "NEXTSTATE_JUDGE__TOKENIZER": m,
             "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
+            **({"NEXTSTATE_JUDGE__ENGINE_ADAPTERS": "true"} if a.lora is not None else {}),
         }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i, forced=forced) for i in range(a.judges)]
 
     async def _judges_after(self, judging: asyncio.Task[list[bool]], judge_model: Path, mode: dict[str, str],
@@ -526,9 +558,12 @@ class Stack:
 
         def build(port: int) -> Proc:
             parser = os.environ.get("NEXTSTATE_COLLECTOR__TOOL_PARSER", "hermes")  # the policy's format
+            env = dict(self.env)
+            if self.args.lora is not None:
+                env["NEXTSTATE_ENGINE__MAX_LORA_RANK"] = str(self.args.lora)
             return Proc("eval-engine", _python("services.engine", "--model", m, "--port", str(port),
                                                "--tool-call-parser", parser),
-                        env=dict(self.env), ready=http_ready(f"http://127.0.0.1:{port}/health"),
+                        env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, port=port)
 
         return build
@@ -544,8 +579,9 @@ class Stack:
             argv = _python("services.engine", "--model", str(judge_model), "--port", str(port),
                            "--served-model-name", JUDGE_SERVED_NAME)
             env = dict(self.env)
-            if vllm is not None:
-                argv, extra = vllm.command(judge_model, port, served_name=JUDGE_SERVED_NAME)
+            if vllm is not None:  # the judge model's own weights only: no LoRA adapters to load
+                no_lora = vllm.model_copy(update={"lora_rank": None})
+                argv, extra = no_lora.command(judge_model, port, served_name=JUDGE_SERVED_NAME)
                 env.update(extra)
             return Proc("judge-model", argv, env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, port=port)

@@ -142,7 +142,8 @@ class DecodeBatch:
         }
         if self.model.logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with torch.inference_mode():
+        rows = [getattr(m, "adapter", None) for m in self.members]  # each row's LoRA adapter
+        with torch.inference_mode(), self.model.adapters(rows if any(a is not None for a in rows) else ()):
             out = self.model.model(input_ids=ids, **kwargs)
         self.mask = mask
         logits: torch.Tensor = out.logits[:, -1, :]

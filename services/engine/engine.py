@@ -5,6 +5,8 @@ iterators of snapshots; leaving the iteration early (a client that went away) ab
 the request so it stops using the model. Weight updates load and check the new
 checkpoint in a helper thread while the old weights keep serving, then hand the swap
 to the model thread; a failure at any point leaves the old weights and version serving.
+LoRA adapters load the same way (read and checked off the model thread) and need no
+swap: `load_adapter` makes the new one the default for the requests that follow.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from services.engine import metrics
+from services.engine.lora import AdapterError, read_adapter
 from services.engine.model import LoadedModel, ModelLoadError, incompatible, load_model
 from services.engine.request import GenParams, Job, Snapshot
-from services.engine.scheduler import Scheduler, SwapRefused
+from services.engine.scheduler import AdapterRefused, Scheduler, SwapRefused, UnknownAdapter
 from services.engine.settings import EngineGroup
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class Engine:
             max_queue=cfg.max_queue,
             context_length=cfg.context_length,
             batch_decode=cfg.batch_decode,
+            served_name=self.served_model_name,
         )
         self._update_lock = asyncio.Lock()
         self.started = time.time()
@@ -90,7 +94,13 @@ class Engine:
             "served_model_name": self.served_model_name,
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
+            "base_weight_version": self.scheduler.base_version,
+            "lora_adapters": self.loaded_adapters(),
         }
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """name -> folder of every loaded LoRA adapter, oldest first (SGLang's `loaded_adapters`)."""
+        return {name: a.path for name, a in list(self.scheduler.adapters.items())}
 
     # -- requests ---------------------------------------------------------------------
 
@@ -163,3 +173,37 @@ class Engine:
                 extra={"path": model_path, "weight_version": version, "seconds": round(took, 3)},
             )
             return True, f"Succeeded to update model weights in {took:.2f}s.", in_flight
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """Read and check the adapter folder in a helper thread, then serve it as `name`, the
+        default from the next request on. (success, message); the served set is unchanged on
+        failure."""
+        async with self._update_lock:
+            started = time.monotonic()
+            try:
+                if not name or not name.isprintable():
+                    raise AdapterError("lora_name must be a non-empty printable string")
+                adapter = await asyncio.to_thread(
+                    read_adapter, name, path, self.scheduler.model.model, max_rank=self.cfg.max_lora_rank)
+                self.scheduler.add_adapter(adapter, self.cfg.max_loras)
+            except (AdapterError, AdapterRefused) as exc:
+                metrics.ADAPTER_LOADS.labels(result="rejected").inc()
+                log.warning("LoRA adapter refused", extra={"adapter": name, "path": path, "reason": str(exc)})
+                return False, f"Failed to load LoRA adapter {name!r}: {exc}"
+            metrics.ADAPTER_LOADS.labels(result="success").inc()
+            took = time.monotonic() - started
+            log.info("LoRA adapter loaded", extra={"adapter": name, "path": path, "rank": adapter.rank,
+                                                   "modules": len(adapter.weights), "seconds": round(took, 3)})
+            return True, f"Loaded LoRA adapter {name!r} (rank {adapter.rank}) in {took:.2f}s."
+
+    async def unload_adapter(self, name: str) -> tuple[bool, str]:
+        """Stop serving `name` to new requests (running ones finish on it)."""
+        async with self._update_lock:
+            try:
+                self.scheduler.remove_adapter(name)
+            except UnknownAdapter as exc:
+                return False, str(exc)
+            log.info("LoRA adapter unloaded", extra={"adapter": name, "default": self.weight_version})
+            return True, f"Unloaded LoRA adapter {name!r}."

@@ -32,3 +32,6 @@ DECODE_BATCH = Histogram(
     "Requests advanced by one batched decode step",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128),
 )
+ADAPTER_LOADS = Counter(
+    "nextstate_engine_lora_loads_total", "LoRA adapter loads, by result", ["result"]
+)

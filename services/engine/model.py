@@ -10,9 +10,11 @@ stay valid only if those agree.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +57,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype | str:
 
 @dataclass
 class LoadedModel:
-    """One set of weights ready to serve, and how to call its forward."""
+    """One set of weights ready to serve, and how to call its forward (with the LoRA
+    adapter of each row, when adapters are loaded: services/engine/lora.py)."""
 
     model: Any
     path: str
     device: torch.device
     cache_arg: str  # "cache" (transformers >= 5.x) or "past_key_values"
     logits_to_keep: bool
+    lora: Any = field(default=None)  # LoraContext: the rows' adapters of the forward being run
+
+    def __post_init__(self) -> None:
+        if self.lora is None:
+            from services.engine.lora import LoraContext
+
+            self.lora = LoraContext()
+
+    @contextlib.contextmanager
+    def adapters(self, rows: Sequence[Any]) -> Iterator[None]:
+        """Run the forwards in the block with `rows[i]` (an Adapter or None) for row i."""
+        self.lora.rows = rows
+        try:
+            yield
+        finally:
+            self.lora.rows = ()
 
     @property
     def config(self) -> Any:
@@ -84,13 +103,14 @@ class LoadedModel:
         except TypeError:  # older transformers
             return DynamicCache()
 
-    def forward(self, ids: list[int], cache: Any, keep: int) -> torch.Tensor:
-        """Run `ids` after what `cache` holds; return the last `keep` logits rows.  (keep, V) f32 cpu"""
+    def forward(self, ids: list[int], cache: Any, keep: int, adapter: Any = None) -> torch.Tensor:
+        """Run `ids` after what `cache` holds (with `adapter`, a LoRA Adapter or None);
+        return the last `keep` logits rows.  (keep, V) f32 cpu"""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {self.cache_arg: cache, "use_cache": True}
         if self.logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        with torch.inference_mode():
+        with torch.inference_mode(), self.adapters((adapter,) if adapter is not None else ()):
             out = self.model(input_ids=x, **kwargs)
             logits: torch.Tensor = out.logits[0, -keep:, :]
             return logits.float().cpu()

@@ -5,7 +5,10 @@ Shapes follow SGLang's `http_server.py`: `/generate` answers
 `data: {json}\\n\\n` … `data: [DONE]\\n\\n` whose chunks are cumulative (text,
 output_ids and output log-probs so far — SGLang's default, without
 `--incremental-streaming-output`). A failed weight update answers 400 with
-`success: false`, as SGLang does. A request with a grammar (`json_schema` or `ebnf`) has
+`success: false`, as SGLang does. LoRA adapters load and unload by name as in SGLang
+(`/load_lora_adapter {lora_name, lora_path}`, `/unload_lora_adapter {lora_name}`, answered
+with `success`, `error_message` and every `loaded_adapters`; vLLM's `/v1/…` paths take the
+same bodies); `/update_weight_version {new_version}` makes a loaded adapter the default. A request with a grammar (`json_schema` or `ebnf`) has
 it compiled in a worker thread before it is queued; a grammar that does not compile is
 a 400 naming the problem.
 """
@@ -28,6 +31,7 @@ from services.engine.grammar import GrammarError, compile_grammar
 from services.engine.protocol import BadRequest, error_body, parse_generate, sglang_output
 from services.engine.request import GenParams, Job
 from services.engine.sampling import SamplingConfig
+from services.engine.scheduler import UnknownAdapter
 from shared.errors import EngineUnavailable
 from shared.schemas import describe
 
@@ -41,6 +45,25 @@ class UpdateWeightsRequest(BaseModel):
     weight_version: str | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True  # nothing is cached across requests here
+
+
+class LoadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # pinned: one pool here, nothing to pin
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+
+
+class WeightVersionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    new_version: str
 
 
 class PauseRequest(BaseModel):
@@ -80,6 +103,12 @@ async def _until_final_or_disconnect(engine: Engine, job: Job, request: Request)
             final.cancel()
 
 
+def _adapter_answer(engine: Engine, ok: bool, error: str) -> JSONResponse:
+    """SGLang's answer to /load_lora_adapter and /unload_lora_adapter (400 when refused)."""
+    body = {"success": ok, "error_message": error, "loaded_adapters": engine.loaded_adapters()}
+    return JSONResponse(body, status_code=200 if ok else 400)
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -102,7 +131,7 @@ def router(engine: Engine) -> APIRouter:
                     compile_grammar, params.grammar_spec, engine.tokenizer_path, engine.vocab_size
                 )
             job = engine.submit(params)
-        except (BadRequest, GrammarError) as exc:
+        except (BadRequest, GrammarError, UnknownAdapter) as exc:
             return _json_error(400, str(exc), "BadRequest")
         except EngineUnavailable as exc:
             return _json_error(503, str(exc), "ServiceUnavailable")
@@ -138,6 +167,35 @@ def router(engine: Engine) -> APIRouter:
             {"success": ok, "message": message, "num_paused_requests": n},
             status_code=200 if ok else 400,
         )
+
+    @r.post("/load_lora_adapter")
+    @r.post("/v1/load_lora_adapter")  # vLLM's path, same body
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        try:
+            req = LoadAdapterRequest.model_validate(await _body(request))
+        except (ValidationError, BadRequest) as exc:
+            return _adapter_answer(engine, False, describe(exc) if isinstance(exc, ValidationError) else str(exc))
+        ok, message = await engine.load_adapter(req.lora_name, req.lora_path)
+        return _adapter_answer(engine, ok, "" if ok else message)
+
+    @r.post("/unload_lora_adapter")
+    @r.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        try:
+            req = UnloadAdapterRequest.model_validate(await _body(request))
+        except (ValidationError, BadRequest) as exc:
+            return _adapter_answer(engine, False, describe(exc) if isinstance(exc, ValidationError) else str(exc))
+        ok, message = await engine.unload_adapter(req.lora_name)
+        return _adapter_answer(engine, ok, "" if ok else message)
+
+    @r.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        try:
+            req = WeightVersionRequest.model_validate(await _body(request))
+        except (ValidationError, BadRequest) as exc:
+            return _json_error(400, describe(exc) if isinstance(exc, ValidationError) else str(exc), "BadRequest")
+        engine.scheduler.set_default(req.new_version)
+        return JSONResponse({"success": True, "message": f"weight version is {engine.weight_version}"})
 
     @r.get("/model_info")
     @r.get("/get_model_info")

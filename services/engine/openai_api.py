@@ -25,6 +25,7 @@ from services.engine.engine import Engine
 from services.engine.native import sse
 from services.engine.protocol import BadRequest, SGLangSampling, sampling_to_params
 from services.engine.request import GenParams, Snapshot
+from services.engine.scheduler import UnknownAdapter
 from shared.errors import EngineUnavailable
 from shared.schemas import describe
 from shared.toolcalls import StreamParser, delta_dicts, finish_reason, message_dict, parse_assistant
@@ -159,9 +160,13 @@ def router(engine: Engine) -> APIRouter:
             "created": int(engine.started),
             "owned_by": "nextstate",
             "root": engine.model_path,
+            "parent": None,
             "max_model_len": engine.context_length,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [{"id": name, "object": "model", "created": int(engine.started), "owned_by": "nextstate",
+                     "root": path, "parent": engine.served_model_name, "max_model_len": None}
+                    for name, path in engine.loaded_adapters().items()]  # as vLLM lists its LoRA adapters
+        return {"object": "list", "data": [card, *adapters]}
 
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -173,8 +178,10 @@ def router(engine: Engine) -> APIRouter:
                 msg = describe(exc) if isinstance(exc, ValidationError) else f"invalid JSON: {exc}"
                 raise BadRequest(msg) from None
             params = chat_params(engine, req)
+            if req.model and req.model in engine.loaded_adapters():
+                params.adapter = req.model  # vLLM's way of naming an adapter
             job = engine.submit(params)
-        except BadRequest as exc:
+        except (BadRequest, UnknownAdapter) as exc:
             return openai_error(400, str(exc), "invalid_request_error")
         except EngineUnavailable as exc:
             return openai_error(503, str(exc), "service_unavailable")

@@ -1,7 +1,8 @@
 """Request bodies of the native (SGLang) API, validated into `GenParams`, and responses.
 
 Field names and defaults are SGLang's (`GenerateReqInput`, `SamplingParams`); an
-unknown sampling parameter is an error as it is there. `seed` is accepted as an alias
+unknown sampling parameter is an error as it is there. `lora_path` names the loaded LoRA
+adapter a request runs with, as in SGLang (without it: the default, the newest loaded). `seed` is accepted as an alias
 of SGLang's `sampling_seed`. Grammars — `json_schema` (`"$$ANY$$"`: any JSON) or
 `ebnf`, at most one — become a `GrammarSpec`, compiled by the HTTP layer off the event
 loop (`grammar.compile_grammar`) before the request is submitted. Features this engine
@@ -28,7 +29,7 @@ from shared.schemas import describe
 
 # Top-level GenerateReqInput fields we cannot honour: refused when set to anything truthy.
 _UNSUPPORTED_TOP = (
-    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+    "image_data", "video_data", "audio_data", "input_embeds", "lora_id",
     "session_params", "return_hidden_states", "custom_logit_processor", "token_ids_logprob",
     "return_routed_experts", "bootstrap_host", "data_parallel_rank",
 )  # fmt: skip
@@ -81,6 +82,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    lora_path: str | None = None  # SGLang's name for the LoRA adapter a request runs with
 
 
 def _unsupported(sp: SGLangSampling) -> list[str]:
@@ -217,6 +219,7 @@ def parse_generate(
     params.logprob_start_len = req.logprob_start_len
     params.top_logprobs_num = req.top_logprobs_num if req.return_logprob else 0
     params.stream = req.stream
+    params.adapter = req.lora_path or None
     return params, req.return_text_in_logprobs
 
 

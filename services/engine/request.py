@@ -4,8 +4,9 @@
 JSON). `Job` holds everything that request accumulates — its KV cache, sampled tokens
 and log-probs, its generator — and `Job.step` advances it by exactly one forward pass
 and one sampled token (`Job.take` is the sampling half, for a step the decode batch
-ran for it). A job is bound to the weights it was admitted with: it never
-sees two sets of weights. A request with a grammar (`GenParams.grammar`, compiled by
+ran for it). A job is bound to the weights it was admitted with, and to the LoRA adapter it
+was submitted with (`Job.adapter`, which it keeps even when that adapter is unloaded
+meanwhile): it never sees two sets of weights. A request with a grammar (`GenParams.grammar`, compiled by
 `grammar.py` before it is submitted) samples every token through its `Constraint`'s
 mask, in whichever path computed the logits; the log-probs it records stay unmasked.
 
@@ -56,6 +57,7 @@ class GenParams:
     stream_interval: int = 1
     grammar_spec: GrammarSpec | None = None  # what the request asked for
     grammar: CompiledGrammar | None = None  # compiled from it before submission
+    adapter: str | None = None  # the LoRA adapter it names (SGLang's lora_path); None: the default
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Job:
         self.queue: asyncio.Queue[Snapshot | BaseException] = asyncio.Queue()
         self.created = time.monotonic()
         self.model: LoadedModel | None = None
+        self.adapter: Any = None  # the LoRA Adapter it runs with (set at submission), or None
         self.weight_version = ""
         self.eos: frozenset[int] = frozenset()
         self.context_length = 0
@@ -105,7 +108,9 @@ class Job:
     # -- binding and delivery -------------------------------------------------------
 
     def bind(self, model: LoadedModel, version: str, tokenizer: Any, eos: frozenset[int], ctx: int) -> None:
-        self.model, self.weight_version, self.tokenizer = model, version, tokenizer
+        """Admit the job on `model`: it reports `version`, or the name of its adapter."""
+        self.model, self.tokenizer = model, tokenizer
+        self.weight_version = self.adapter.name if self.adapter is not None else version
         self.eos, self.context_length = eos, ctx
         self.cache = model.new_cache()
         if self.params.grammar is not None and self.constraint is None:
@@ -132,7 +137,7 @@ class Job:
                 self.finish = {"type": "length", "length": 0}
                 return
         else:
-            logits = self.model.forward([self.output_ids[-1]], self.cache, 1)[-1]
+            logits = self.model.forward([self.output_ids[-1]], self.cache, 1, self.adapter)[-1]
         self.take(logits)
 
     def take(self, logits: torch.Tensor) -> None:
@@ -160,7 +165,7 @@ class Job:
         ids = p.input_ids
         want_input = p.return_logprob and p.logprob_start_len >= 0
         start = min(p.logprob_start_len, len(ids) - 1) if want_input else len(ids) - 1
-        logits = self.model.forward(ids, self.cache, len(ids) - start)  # rows for positions start..L-1
+        logits = self.model.forward(ids, self.cache, len(ids) - start, self.adapter)  # positions start..L-1
         self.prefilled = True
         if p.return_logprob:
             # SGLang's layout: from `start` on, the first entry has no log-prob (None).

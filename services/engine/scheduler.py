@@ -12,6 +12,11 @@ A weight swap is a control message to this thread: admission stops, in-flight re
 finish (or are aborted first when asked), then the model reference is replaced while
 nothing is mid-generation, and admission resumes on the new weights. Pausing freezes
 active requests in place and holds new ones in the queue.
+
+LoRA adapters need no swap: loading one makes it the default for requests submitted from
+then on, while those already submitted keep theirs (each job holds its adapter); an
+unloaded adapter lives on in the jobs that still use it. A full swap is refused while
+adapters are loaded (they were made for the weights it would replace).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ import torch
 
 from services.engine import metrics
 from services.engine.batch import DecodeBatch, supports
+from services.engine.lora import Adapter, attach
 from services.engine.model import LoadedModel
 from services.engine.request import Job
-from shared.errors import EngineUnavailable
+from shared.errors import EngineRejected, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,14 @@ class SwapRefused(Exception):
     """A weight swap cannot happen now (the message says why)."""
 
 
+class AdapterRefused(Exception):
+    """A LoRA adapter cannot be loaded now (the message says why)."""
+
+
+class UnknownAdapter(EngineRejected):
+    """A request or an unload names a LoRA adapter that is not loaded (HTTP 400)."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -62,12 +76,17 @@ class Scheduler:
         max_queue: int,
         context_length: int | None = None,
         batch_decode: bool = True,
+        served_name: str = "",
     ) -> None:
         self.model = model
+        self.served_name = served_name
         self.batch_decode = batch_decode
         self._batch = DecodeBatch(model) if batch_decode else None
         self.tokenizer = tokenizer
-        self.weight_version = weight_version
+        self.base_version = weight_version  # the base weights' version label
+        # LoRA adapters by name, oldest first; requests that name none take `_default`.
+        self.adapters: dict[str, Adapter] = {}
+        self._default: str | None = None
         self.max_running = max_running
         self.max_queue = max_queue
         self._ctx_override = context_length
@@ -93,10 +112,17 @@ class Scheduler:
     def context_length(self) -> int:
         return self._ctx_override or self.model.context_length
 
+    @property
+    def weight_version(self) -> str:
+        """What a request naming no adapter is served with: the default adapter's name, or
+        the base weights' version when no adapter is loaded."""
+        return self._default if self._default is not None else self.base_version
+
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._stopping or self._closed:
                 raise EngineUnavailable("the engine is shutting down")
+            job.adapter = self._adapter_for(job.params.adapter)
             if len(self._waiting) >= self.max_queue + max(0, self.max_running - len(self._active)):
                 metrics.REJECTED.inc()
                 raise QueueFull(
@@ -137,6 +163,9 @@ class Scheduler:
                 raise SwapRefused("another weight update is in progress")
             if self._stopping:
                 raise SwapRefused("the engine is shutting down")
+            if self.adapters:
+                raise SwapRefused(f"LoRA adapters are loaded ({', '.join(self.adapters)}) on the weights "
+                                  "it would replace: unload them first")
             running = sum(1 for j in self._active if j.abort_reason is None)
             if self._paused and running and not abort:
                 raise SwapRefused(
@@ -147,6 +176,51 @@ class Scheduler:
             self._swap = _Swap(model, version, in_flight, concurrent.futures.Future())
             self._cond.notify_all()
             return self._swap.done
+
+    # -- LoRA adapters (services/engine/lora.py) ----------------------------------------
+
+    def _adapter_for(self, name: str | None) -> Adapter | None:
+        if name is None:
+            return self.adapters.get(self._default) if self._default is not None else None
+        if name in self.adapters:
+            return self.adapters[name]
+        if name in (self.base_version, self.served_name):
+            return None  # the base weights, named
+        loaded = ", ".join(self.adapters) or "none"
+        raise UnknownAdapter(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
+
+    def add_adapter(self, adapter: Adapter, max_loaded: int) -> None:
+        """Serve `adapter` from the next request on, as the default (the newest). A name
+        already loaded from the same folder just becomes the default again."""
+        with self._cond:
+            same = self.adapters.get(adapter.name)
+            if same is not None and same.path != adapter.path:
+                raise AdapterRefused(f"LoRA adapter {adapter.name!r} is already loaded from {same.path}: "
+                                     "unload it first")
+            if same is None and len(self.adapters) >= max_loaded:
+                raise AdapterRefused(f"{len(self.adapters)} LoRA adapters are loaded, the most this engine "
+                                     "holds (NEXTSTATE_ENGINE__MAX_LORAS): unload one first")
+            if same is None:
+                attach(self.model.model, adapter.modules, self.model.lora)
+                self.adapters[adapter.name] = adapter
+            self._default = adapter.name
+
+    def remove_adapter(self, name: str) -> None:
+        """No new request takes `name`; those running on it finish on it."""
+        with self._cond:
+            if self.adapters.pop(name, None) is None:
+                raise UnknownAdapter(f"LoRA adapter {name!r} is not loaded")
+            if self._default == name:
+                self._default = next(reversed(self.adapters), None)
+
+    def set_default(self, version: str) -> None:
+        """SGLang's /update_weight_version: the default adapter when `version` names a loaded
+        one, else the base weights' version label."""
+        with self._cond:
+            if version in self.adapters:
+                self._default = version
+            else:
+                self.base_version = version
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until nothing is queued or running (True), or `timeout` passes (False)."""
@@ -258,7 +332,8 @@ class Scheduler:
             self._waiting = collections.deque(j for j in self._waiting if j.abort_reason is None)
             for job in out:
                 if job.model is None:  # never admitted
-                    job.weight_version, job.tokenizer = self.weight_version, self.tokenizer
+                    job.tokenizer = self.tokenizer
+                    job.weight_version = job.adapter.name if job.adapter is not None else self.base_version
                 job.finish = {"type": "abort", "message": job.abort_reason}
             metrics.QUEUE_DEPTH.set(len(self._waiting))
             metrics.RUNNING.set(len(self._active))
@@ -268,7 +343,7 @@ class Scheduler:
     def _admit_locked(self) -> None:
         while self._waiting and len(self._active) < self.max_running:
             job = self._waiting.popleft()
-            job.bind(self.model, self.weight_version, self.tokenizer, self._eos, self.context_length)
+            job.bind(self.model, self.base_version, self.tokenizer, self._eos, self.context_length)
             self._active.append(job)
         metrics.QUEUE_DEPTH.set(len(self._waiting))
         metrics.RUNNING.set(len(self._active))
@@ -276,7 +351,7 @@ class Scheduler:
     def _do_swap_locked(self) -> None:
         swap, self._swap = self._swap, None
         assert swap is not None
-        self.model, self.weight_version = swap.model, swap.version
+        self.model, self.base_version = swap.model, swap.version
         if self._batch is not None:  # empty: nothing is mid-generation
             self._batch = DecodeBatch(swap.model)
         self._eos = self._eos_ids(swap.model)

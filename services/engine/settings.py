@@ -10,6 +10,8 @@
     NEXTSTATE_ENGINE__MAX_QUEUE=256            requests waiting beyond those; more are refused with 503
     NEXTSTATE_ENGINE__THREADS=                 torch threads (default: half the CPUs it may use, at least 1;
                                                shared/cpus.py says why)
+    NEXTSTATE_ENGINE__MAX_LORAS=4              LoRA adapters loaded at once (/load_lora_adapter, by name)
+    NEXTSTATE_ENGINE__MAX_LORA_RANK=256        the highest rank of an adapter it loads
     NEXTSTATE_ENGINE__TOOL_CALL_PARSER=        as SGLang's --tool-call-parser: /v1/chat/completions with
                                                `tools` parses the output's tool calls (hermes, mistral, ...);
                                                unset: the text is returned as is
@@ -46,6 +48,10 @@ class EngineGroup(BaseModel):
     health_timeout_s: float = Field(20.0, gt=0, description="/health_generate gives up after this")
     tool_call_parser: str | None = Field(
         None, description="parse tool calls on /v1/chat/completions with tools (shared/toolparsers.py)")
+    max_loras: int = Field(
+        4, ge=1, description="LoRA adapters loaded at once (/load_lora_adapter beyond it is refused; "
+        "the watcher unloads the one it replaced)")
+    max_lora_rank: int = Field(256, ge=1, description="the highest LoRA rank /load_lora_adapter accepts")
     shutdown_grace_s: float = Field(10.0, ge=0)
 
     @field_validator("model")

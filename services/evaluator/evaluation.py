@@ -5,7 +5,8 @@
    `local_dir/v000042` checking every sha256 (a complete local copy is reused), prune older
    copies;
 2. load it into the evaluation engine (`/update_weights_from_disk` with `weight_version =
-   str(version)`, confirmed through `/model_info`), unless the engine already serves it;
+   str(version)`, or an adapter version by name beside the base weights; confirmed through
+   the engine's weight version), unless the engine already serves it;
 3. run the suite with an `EvalContext` (the engine's URL, the internal credential, the
    tokenizer, the base model, the config — `samples` overridden when the job asks);
 4. check the engine still serves the candidate (a score of other weights is no score);
@@ -35,6 +36,7 @@ from shared import checkpoints as ckpt
 from shared import keys as K
 from shared.auth import bearer
 from shared.engine_client import EngineClient
+from shared.engine_client.versions import serve_version
 from shared.errors import EngineError, StoreError
 from shared.evaljobs import result_key
 from shared.schemas import CheckpointManifest, EvalResult
@@ -89,11 +91,12 @@ class Evaluator:
         extra = {"job": job_id, "version": version, "suite": suite_name}
         folder, manifest = await self.bucket.run(install, self.bucket.sync, cfg.local_dir, run, version)
         await self.bucket.run(ckpt.prune_local, cfg.local_dir, cfg.keep_local, protect=[version])
-        await self._load(folder, version)
+        await self._load(folder, manifest)
         ctx = EvalContext(
             run=run, version=version, engine_url=cfg.engine_url,
             headers=bearer(self.settings.internal.secret()),
-            tokenizer=cfg.tokenizer or str(folder.resolve()),
+            tokenizer=cfg.tokenizer or (str(folder.resolve()) if manifest.format == "full"
+                                        else cfg.base_model or manifest.base_model),  # an adapter has none
             base_model=cfg.base_model or manifest.base_model,
             cfg=cfg, bus=self.bus,
         )
@@ -128,12 +131,14 @@ class Evaluator:
             return f"{self.cfg.engine_dir.rstrip('/')}/{folder.name}"
         return str(folder.resolve())
 
-    async def _load(self, folder: Path, version: int) -> None:
-        """Make the evaluation engine serve `version` (nothing to do if it already does)."""
+    async def _load(self, folder: Path, manifest: CheckpointManifest) -> None:
+        """Make the evaluation engine serve `manifest`'s version (nothing to do if it already
+        does): full weights, or its LoRA adapter beside the base (shared/engine_client/versions.py)."""
+        version = manifest.version
         if await self.engine.weight_version() == str(version):
             return
         t0 = time.monotonic()
-        ok, message = await self.engine.update_weights(self._engine_path(folder), str(version))
+        ok, message = await serve_version(self.engine, self._engine_path(folder), manifest)
         served = await self.engine.weight_version()
         if not ok:
             raise EngineError(f"the evaluation engine refused v{version}: {message}")

@@ -1,7 +1,9 @@
 """The evaluator's configuration: `NEXTSTATE_EVAL__*` on top of the shared settings.
 
-    NEXTSTATE_EVAL__SUITES=["demo","drift"]      suites enqueued for every committed version (built-in
-                                                 names or module:callable; unknown ones refuse to start)
+    NEXTSTATE_EVAL__SUITES=demo,drift            suites enqueued for every committed version (built-in
+                                                 names or module:callable; unknown ones refuse to start):
+                                                 a comma list, or a JSON list (["demo","drift"]; also
+                                                 as a shell that sourced .env leaves it: [demo,drift])
     NEXTSTATE_EVAL__ENGINE_URL=http://127.0.0.1:30001   the evaluation engine: a second engine that
                                                  loads candidates (never the one users talk to);
                                                  one per worker: it serves one candidate at a time
@@ -46,16 +48,34 @@ is idle then. With RETRIES=0 such a job is not run again: rq marks it failed.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from shared.settings import Settings
 
 
+def parse_name_list(text: str) -> list[str]:
+    """`demo,drift`, `["demo","drift"]`, or the latter after a shell's `source .env` took
+    its quotes (`[demo,drift]`): the same list of names. Names hold no quotes or commas
+    (built-in suites, `env:<name>`, module:callable)."""
+    s = text.strip()
+    if s.startswith("["):
+        try:
+            loaded = json.loads(s)
+        except ValueError:
+            loaded = None
+        if isinstance(loaded, list):
+            return [str(x).strip() for x in loaded if str(x).strip()]
+        s = s[1:-1] if s.endswith("]") else s[1:]
+    return [p.strip().strip("\"'") for p in s.split(",") if p.strip().strip("\"'")]
+
+
 class EvalConfig(BaseModel):
-    suites: list[str] = Field(default_factory=lambda: ["demo", "drift"])
+    suites: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["demo", "drift"])
     engine_url: str = "http://127.0.0.1:30001"
     engine_kind: Literal["sglang", "vllm"] = "sglang"
     engine_dir: str | None = None
@@ -81,6 +101,11 @@ class EvalConfig(BaseModel):
     abandoned_after_s: int = Field(45, ge=2)
     maintenance_s: int = Field(15, ge=1)
     shutdown_grace_s: float = Field(10.0, ge=0)
+
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _suites(cls, v: Any) -> Any:
+        return parse_name_list(v) if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _heartbeat_within_abandon(self) -> EvalConfig:

@@ -271,7 +271,7 @@ async def _scorer(
     template = await asyncio.to_thread(ChatTemplate.from_pretrained, cfg.tokenizer)
     engine = make_engine_client(
         cfg.engine_kind, cfg.engine_url, timeout=cfg.engine_timeout_s,
-        max_connections=min(cfg.concurrency, 1024), api_key=internal_token,
+        max_connections=min(cfg.concurrency, 1024), api_key=internal_token, adapters=cfg.engine_adapters,
     )  # fmt: skip
     stack.push_async_callback(engine.aclose)
 

@@ -131,6 +131,7 @@ class JudgeConfig(BaseModel):
     engine_url: str | None = None
     engine_kind: Literal["sglang", "vllm"] = "sglang"
     engine_timeout_s: float = Field(120.0, gt=0)
+    engine_adapters: bool = Field(False, description="the policy is served as LoRA adapters (nextstate up --lora): name the adapter the engine's weight version points at in every request (SGLang and vLLM serve the base model to requests that name none; our engine serves its newest adapter either way)")
     tokenizer: str | None = Field(None, description="policy tokenizer folder for teacher prompts")
     teacher_temperature: float | None = Field(
         None, gt=0, description="default: the turn's sampling temperature (1.0 when it was 0)"

@@ -1,8 +1,8 @@
 """Assemble the trainer from its configuration and a resume point (models, optimizer, RNG).
 
 Full fine-tuning resumes from the committed version's weights; LoRA resumes from the
-base model plus the saved adapter (the published weights are merged, so they cannot
-give the adapter back). The optimizer and RNG come from the trainer state when there
+base model plus the adapter of the trainer state (or, without one, the version's own
+adapter when it was published as one; merged weights cannot give the adapter back). The optimizer and RNG come from the trainer state when there
 is one; a trainer state that does not fit the model (LoRA switched on or off, another
 base) stops the start with an error saying so rather than training from a mismatch.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.checkpoint import ResumePoint, restore_rng
+from services.trainer.checkpoint import ResumePoint, published_adapter, restore_rng
 from services.trainer.model import (
     LoraSpec,
     ModelError,
@@ -58,7 +58,10 @@ def build_trainer(cfg: TrainerConfig, resume: ResumePoint) -> Trainer:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     tensors = resume.tensors or {}
-    adapter = tensors.get("adapter")
+    adapter = tensors.get("adapter") or published_adapter(resume)
+    if not cfg.lora and resume.manifest is not None and resume.manifest.format == "adapter":
+        raise ModelError(f"v{resume.version} is a LoRA adapter but LoRA is off: set "
+                         "NEXTSTATE_TRAINER__LORA=true, or start a new run")
     if cfg.lora and adapter is not None:
         policy: Any = add_lora(load_causal_lm(cfg.model, device, dtype), lora_spec(cfg), adapter)
         base_is_reference = True

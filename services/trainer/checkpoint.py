@@ -1,10 +1,14 @@
 """The trainer's side of the checkpoint protocol: snapshots, commits, trainer state, resume.
 
 A *snapshot* is taken on the training thread right after a step (a CPU copy of the
-weights with LoRA merged, of the optimizer state and RNG), so training may go on while
-it is written and uploaded. Committing a snapshot, all blocking:
+weights — with LoRA the adapter alone, or merged weights when publishing merged — of the
+optimizer state and RNG), so training may go on while it is written and uploaded.
+Committing a snapshot, all blocking, on the service's upload lane beside the next steps:
 
-    1. the HF folder (safetensors, config, generation config, tokenizer) on local disk
+    1. the version's files on local disk: a PEFT adapter folder (format adapter), or the HF
+       folder (safetensors in the published dtype, config, generation config, tokenizer),
+       whose weight files become deltas against the version before when the chain allows
+       (`Chain`, `Publishing.snapshot_every`)
     2. trainer state  trainer-state/<run>/v000042/state.pt   (optimizer, RNG, LoRA adapter)
                       trainer-state/<run>/v000042/state.json (step, consumed ids, parent: last)
     3. `publish_checkpoint`: model files, manifest (this version's batch ids, its `parent`:
@@ -48,6 +52,7 @@ from typing import Any
 import torch
 
 from services.trainer.model import (
+    ADAPTER,
     ModelError,
     export_state_dict,
     is_lora,
@@ -56,6 +61,8 @@ from services.trainer.model import (
 )
 from services.trainer.step import Trainer
 from shared.checkpoints import (
+    Delta,
+    Layout,
     all_versions,
     download_checkpoint,
     list_versions,
@@ -70,7 +77,7 @@ from shared.checkpoints import (
 )
 from shared.errors import ChecksumMismatch, CorruptCheckpoint, NoCheckpoint, ObjectNotFound
 from shared.gate_view import GateView
-from shared.schemas import CheckpointManifest, LatestPointer
+from shared.schemas import AdapterSpec, CheckpointManifest, LatestPointer, WeightFormat
 from shared.store import Bucket
 
 log = logging.getLogger(__name__)
@@ -118,29 +125,85 @@ class Snapshot:
     parent: int | None  # the version these weights were trained from (0: the base model)
     batch_ids: list[str]  # the batches trained since the previous version
     consumed: list[str]  # recent consumed ids of this lineage, oldest first (for replays)
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]  # the full weights (LoRA merged), or with format adapter the adapter's
     tensors: dict[str, Any]  # optimizer, RNG, adapter
     metrics: dict[str, float] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.time)
     epoch: int = 0  # the service's rebase count when taken: an older one is abandoned
+    format: WeightFormat = "full"
 
 
 def take_snapshot(
     trainer: Trainer, version: int, step: int, batch_ids: Sequence[str], consumed: Sequence[str],
-    metrics: dict[str, float], *, parent: int | None = None, epoch: int = 0,
+    metrics: dict[str, float], *, parent: int | None = None, epoch: int = 0, fmt: WeightFormat = "full",
 ) -> Snapshot:
-    """Copy what a version needs; call between steps, on the thread that trains."""
+    """Copy what a version needs; call between steps, on the thread that trains. With
+    `fmt` adapter only the adapter is copied (no merged copy of the whole model)."""
     from services.trainer.model import adapter_state
 
+    adapter = _cpu_clone(adapter_state(trainer.model)) if is_lora(trainer.model) else None
+    if fmt == "adapter" and adapter is None:
+        raise ModelError("adapter versions need LoRA (NEXTSTATE_TRAINER__LORA=true)")
     tensors: dict[str, Any] = {
         "optimizer": _cpu_clone(trainer.optimizer.state_dict()),
         "rng": rng_state(),
-        "adapter": _cpu_clone(adapter_state(trainer.model)) if is_lora(trainer.model) else None,
+        "adapter": adapter,
     }
+    weights = dict(adapter) if fmt == "adapter" and adapter is not None else export_state_dict(trainer.model)
     return Snapshot(
         version=version, step=step, parent=parent, batch_ids=list(batch_ids), consumed=list(consumed),
-        weights=export_state_dict(trainer.model), tensors=tensors, metrics=dict(metrics), epoch=epoch,
+        weights=weights, tensors=tensors, metrics=dict(metrics), epoch=epoch, format=fmt,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The last full version this trainer committed, kept on local disk so the next
+    version can be published as deltas against it (docs/weights.md, "Deltas")."""
+
+    version: int
+    folder: Path  # its files, as published
+    snapshot: int  # the full snapshot its chain starts from (itself when it has no delta)
+    length: int  # versions with deltas since that snapshot
+
+
+@dataclass(frozen=True)
+class Publishing:
+    """How this trainer publishes (TrainerConfig's publish_dtype, snapshot_every, lora_publish)."""
+
+    base_model: str  # the base model's folder, as the manifest names it
+    base_fingerprint: str = ""  # its identity (shared/runs.py)
+    dtype: torch.dtype | None = None  # the published weights' dtype (None: the trainer's)
+    snapshot_every: int = 1
+    keep: int = 3
+    min_saving: float = 0.1  # a delta saving less than this share of its file is not worth it
+
+
+def _dtype_name(weights: dict[str, torch.Tensor], dtype: torch.dtype | None) -> str | None:
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    floats = {str(t.dtype).removeprefix("torch.") for t in weights.values() if t.is_floating_point()}
+    return floats.pop() if len(floats) == 1 else None
+
+
+def _encode_deltas(files: Path, chain: Chain, work: Path, min_saving: float) -> list[Delta]:
+    """Deltas of `files`' weight files against `chain`'s copies of them, those worth it."""
+    from shared import deltas as codec
+    from shared.checkpoints import digest_file
+
+    work.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f in sorted(files.glob("*.safetensors")):
+        base = chain.folder / f.name
+        if not base.is_file():
+            continue
+        delta = work / (f.name + codec.SUFFIX)
+        if codec.encode(f, base, delta) > (1 - min_saving) * f.stat().st_size:
+            delta.unlink()
+            continue
+        out.append(Delta(of=f.name, path=delta, base_version=chain.version,
+                         base_sha256=digest_file(base).sha256))
+    return out
 
 
 def commit_snapshot(
@@ -155,29 +218,73 @@ def commit_snapshot(
     keep: int,
     guard: Callable[[LatestPointer | None], None] | None = None,
     gate: GateView | None = None,
-) -> CheckpointManifest:
+    publishing: Publishing | None = None,
+    chain: Chain | None = None,
+) -> tuple[CheckpointManifest, Chain | None]:
     """Write, upload and commit one version (idempotent: a retry redoes it whole). `guard`
     as in `publish_checkpoint`: it may stop the commit before the manifest or LATEST.
-    `gate`: the promotion gate's view; retention keeps what it serves or has yet to decide."""
+    `gate`: the promotion gate's view; retention keeps what it serves or has yet to decide.
+
+    A full version whose parent is `chain`'s version, within `snapshot_every`, goes up as
+    deltas against it. Returns the manifest and the chain the next version builds on (this
+    version's files, kept under `work_dir/published`; None for an adapter)."""
+    pub = publishing or Publishing(base_model=base_model, keep=keep)
     folder = work_dir / f"snapshot-{version_dirname(snap.version)}"
     shutil.rmtree(folder, ignore_errors=True)
+    files = folder / "model"
+    kept: Chain | None = None
     try:
-        save_hf_folder(model, snap.weights, folder / "model", static_dir)
+        if snap.format == "adapter":
+            from services.trainer.model import adapter_targets, save_adapter_folder
+
+            save_adapter_folder(model, snap.weights, files, pub.base_model, pub.dtype)
+            lora = model.peft_config[ADAPTER]
+            layout = Layout(format="adapter", dtype=_dtype_name(snap.weights, pub.dtype),
+                            base_fingerprint=pub.base_fingerprint,
+                            adapter=AdapterSpec(rank=int(lora.r), alpha=float(lora.lora_alpha),
+                                                target_modules=adapter_targets(snap.weights)))
+        else:
+            save_hf_folder(model, snap.weights, files, static_dir, pub.dtype)
+            usable = chain is not None and chain.version == snap.parent and chain.length + 1 < pub.snapshot_every
+            found = _encode_deltas(files, chain, folder / "deltas", pub.min_saving) if usable and chain else []
+            layout = Layout(format="full", dtype=_dtype_name(snap.weights, pub.dtype),
+                            base_fingerprint=pub.base_fingerprint, deltas=tuple(found),
+                            snapshot=chain.snapshot if found and chain else None)
         state_file = folder / STATE_TENSORS
         torch.save(snap.tensors, state_file)
         bucket.put_file(state_key(run, snap.version, STATE_TENSORS), state_file)
-        meta = {"version": snap.version, "step": snap.step, "base_model": base_model, "parent": snap.parent,
+        meta = {"version": snap.version, "step": snap.step, "base_model": pub.base_model, "parent": snap.parent,
                 "consumed_batch_ids": snap.consumed, "created_at": time.time()}
         bucket.put_bytes(state_key(run, snap.version, STATE_META), json.dumps(meta).encode(),
                          content_type="application/json")
         manifest = publish_checkpoint(
-            bucket, run, snap.version, folder / "model", step=snap.step, base_model=base_model,
+            bucket, run, snap.version, files, step=snap.step, base_model=pub.base_model,
             consumed_batch_ids=snap.batch_ids, metrics=snap.metrics, parent=snap.parent, guard=guard,
+            layout=layout,
         )  # fmt: skip
+        if snap.format == "full" and pub.snapshot_every > 1:
+            kept = _keep_published(work_dir, snap.version, files, manifest, chain)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    prune(bucket, run, keep, gate)
-    return manifest
+    prune(bucket, run, pub.keep, gate)
+    return manifest, kept
+
+
+def _keep_published(work_dir: Path, version: int, files: Path, manifest: CheckpointManifest,
+                    chain: Chain | None) -> Chain:
+    """Move a committed version's files to `work_dir/published` as the next delta's base
+    (the one before it is dropped)."""
+    root = work_dir / "published"
+    dest = root / version_dirname(version)
+    shutil.rmtree(dest, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    files.rename(dest)
+    for old in root.iterdir():
+        if old != dest:
+            shutil.rmtree(old, ignore_errors=True)
+    if manifest.encoded and chain is not None:
+        return Chain(version, dest, chain.snapshot, chain.length + 1)
+    return Chain(version, dest, version, 0)
 
 
 def prune(bucket: Bucket, run: str, keep: int, gate: GateView | None = None) -> None:
@@ -349,8 +456,8 @@ def _open_version(bucket: Bucket, run: str, version: int, dest: Path, *, need_we
         log.warning("no trainer state for this version: optimizer starts fresh",
                     extra={"run": run, "version": version})
     model_dir = None
-    if need_weights or tensors is None or tensors.get("adapter") is None:
-        model_dir = _verified_weights(bucket, manifest, dest)
+    if need_weights or tensors is None or tensors.get("adapter") is None or manifest.format == "adapter":
+        model_dir = _verified_weights(bucket, manifest, dest)  # an adapter: megabytes, checked too
     return ResumePoint(
         version=version,
         step=int(meta["step"]) if meta else manifest.step,
@@ -372,7 +479,7 @@ def apply_point(trainer: Trainer, point: ResumePoint, base_model: str) -> None:
     service then restarts, and the restart resumes from the rollback.
     """
     tensors = point.tensors or {}
-    adapter = tensors.get("adapter")
+    adapter = tensors.get("adapter") or published_adapter(point)
     if is_lora(trainer.model):
         if adapter is None:
             raise ModelError(f"v{point.version} has no saved LoRA adapter: a rebase on it needs a restart")
@@ -396,6 +503,16 @@ def apply_point(trainer: Trainer, point: ResumePoint, base_model: str) -> None:
     else:
         trainer.optimizer.state.clear()
     trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def published_adapter(point: ResumePoint) -> dict[str, torch.Tensor] | None:
+    """The adapter a `format: adapter` version published (None for any other point): the
+    trainer's own when its trainer state is lost."""
+    if point.manifest is None or point.manifest.format != "adapter" or point.model_dir is None:
+        return None
+    from services.trainer.model import read_adapter_weights
+
+    return read_adapter_weights(point.model_dir)
 
 
 def rebase_candidates(at: int, committed: Sequence[int]) -> list[int]:

@@ -65,6 +65,18 @@ SNAPSHOT_SECONDS = Histogram(
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 
+UPLOAD_WAIT_SECONDS = Histogram(
+    "nextstate_trainer_upload_wait_seconds",
+    "Time training waited for an upload slot before a snapshot (0 while commits keep up; "
+    "NEXTSTATE_TRAINER__MAX_PENDING_UPLOADS bounds the versions in flight)",
+    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+VERSION_BYTES = Histogram(
+    "nextstate_trainer_version_bytes", "Bytes one committed version put into the bucket",
+    ["format", "stored"],  # format: full | adapter; stored: whole | delta
+    buckets=(1e5, 1e6, 1e7, 3e7, 1e8, 3e8, 1e9, 3e9, 1e10, 3e10),
+)
+
 
 def observe_step(metrics: Mapping[str, float]) -> None:
     for name, gauge in STEP_GAUGES.items():

@@ -1,10 +1,11 @@
 """The policy and reference models: loading, optional LoRA, log-probs, and export as an HF folder.
 
 The policy is a transformers causal LM (bf16 on GPU, fp32 on CPU unless told), trained
-in full or through LoRA adapters (peft). Whatever the mode, what leaves the trainer is a
-plain HF folder the engine loads: LoRA deltas are merged into the exported weights
-without touching the live model (W + ΔW computed per layer), so training goes on
-exactly where it was.
+in full or through LoRA adapters (peft). What leaves the trainer is either a plain HF
+folder the engine loads (`save_hf_folder`, in the dtype the engine serves; with LoRA and
+merged publishing the deltas are merged into the exported weights without touching the
+live model: W + ΔW computed per layer), or with LoRA the adapter itself, a PEFT folder
+(`save_adapter_folder`) the engine loads by name beside its base weights.
 
 The reference for the KL term is the frozen base model: in LoRA mode the policy itself
 with its adapters switched off (no second copy), otherwise a separate frozen copy.
@@ -55,6 +56,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def publish_dtype(name: str) -> torch.dtype | None:
+    """The published weights' dtype for NEXTSTATE_TRAINER__PUBLISH_DTYPE (None, for auto: the
+    trainer's own)."""
+    return None if name == "auto" else resolve_dtype(name, torch.device("cpu"))
 
 
 def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
@@ -184,18 +191,83 @@ def export_state_dict(model: Any) -> dict[str, torch.Tensor]:
         return out
 
 
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`state` with its floating tensors in `dtype` (None: as they are); tensors that shared
+    storage (tied embeddings) still share it, so they are saved once."""
+    if dtype is None:
+        return dict(state)
+    done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == dtype:
+            return t
+        key = (t.data_ptr(), tuple(t.shape))
+        if key not in done:
+            done[key] = t.to(dtype)
+        return done[key]
+
+    return {k: cast(v) for k, v in state.items()}
+
+
 def save_hf_folder(
-    model: Any, state_dict: dict[str, torch.Tensor], dest: Path, static_dir: Path | None
+    model: Any, state_dict: dict[str, torch.Tensor], dest: Path, static_dir: Path | None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Write `state_dict` as an HF folder (safetensors + config + generation config) into
-    `dest`, plus every file of `static_dir` (the tokenizer). `model` gives the structure."""
+    """Write `state_dict` (in `dtype`, if given) as an HF folder (safetensors + config +
+    generation config) into `dest`, plus every file of `static_dir` (the tokenizer).
+    `model` gives the structure; the config records the dtype the weights are in."""
     dest.mkdir(parents=True, exist_ok=True)
     plain = model.get_base_model() if is_lora(model) else model
-    plain.save_pretrained(str(dest), state_dict=dict(state_dict), max_shard_size="2GB")
+    before = plain.config.dtype
+    if dtype is not None:
+        plain.config.dtype = dtype
+    try:
+        plain.save_pretrained(str(dest), state_dict=cast_state(state_dict, dtype), max_shard_size="2GB")
+    finally:
+        plain.config.dtype = before
     if static_dir is not None:
         for f in static_dir.iterdir():
             if f.is_file() and not (dest / f.name).exists():
                 shutil.copy2(f, dest / f.name)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_targets(state: dict[str, torch.Tensor]) -> list[str]:
+    """The module names (q_proj, down_proj, ...) an adapter state dict holds LoRA weights for."""
+    return sorted({k.split(".lora_A.")[0].rsplit(".", 1)[-1] for k in state if ".lora_A." in k})
+
+
+def save_adapter_folder(
+    model: Any, state: dict[str, torch.Tensor], dest: Path, base_model: str, dtype: torch.dtype | None = None
+) -> None:
+    """Write a PEFT adapter folder into `dest`: `adapter_config.json` (the live adapter's
+    LoRA config, naming `base_model`) and `adapter_model.safetensors` (`state`, from
+    `adapter_state`, in `dtype` if given) — what PEFT, SGLang and vLLM load."""
+    import copy as _copy
+
+    from safetensors.torch import save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    config = _copy.deepcopy(model.peft_config[ADAPTER])
+    config.base_model_name_or_path = base_model
+    config.inference_mode = True
+    config.save_pretrained(str(dest))
+    tensors = {k: v.contiguous() for k, v in cast_state(state, dtype).items()}
+    save_file(tensors, str(dest / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The adapter state dict of a PEFT adapter folder (`set_peft_model_state_dict` takes it)."""
+    from safetensors.torch import load_file
+
+    path = folder / ADAPTER_WEIGHTS
+    try:
+        return load_file(str(path))
+    except Exception as exc:
+        raise ModelError(f"cannot read the LoRA adapter {str(path)!r}: {exc}") from exc
 
 
 def write_tokenizer(source: str | Path, dest: Path) -> Path:

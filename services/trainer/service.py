@@ -50,6 +50,8 @@ from redis.exceptions import RedisError
 
 from services.trainer import metrics as M
 from services.trainer.checkpoint import (
+    Chain,
+    Publishing,
     ResumePoint,
     Snapshot,
     apply_point,
@@ -64,6 +66,7 @@ from services.trainer.follow import (
     restore_latest,
     startup_record,
 )
+from services.trainer.model import publish_dtype
 from services.trainer.rebase import followed_at_start
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Trainer, TrainerBroken
@@ -79,6 +82,7 @@ from shared.schemas import (
     CheckpointPublished,
     TrainBatch,
     TrainSample,
+    WeightFormat,
 )
 from shared.store import AsyncBucket
 from shared.streams import Bus
@@ -120,7 +124,7 @@ class TrainerService:
     def __init__(
         self, settings: TrainerSettings, bus: Bus, bucket: AsyncBucket, trainer: Trainer,
         resume: ResumePoint, *, work_dir: Path, static_dir: Path | None,
-        record: RebaseRecord | None = None, rebase_in_place: bool = True,
+        record: RebaseRecord | None = None, rebase_in_place: bool = True, base_fingerprint: str = "",
     ) -> None:  # fmt: skip
         self.settings = settings
         self.cfg = settings.trainer
@@ -152,6 +156,14 @@ class TrainerService:
         self.unsettled = 0  # snapshots taken, not yet committed or dropped
         self.settled = asyncio.Event()
         self.settled.set()
+        # What a version carries (docs/weights.md), and the last full version committed, on
+        # disk, for the next one's deltas (None after a start or a rebase: a full snapshot first).
+        self.format: WeightFormat = "adapter" if self.cfg.lora and self.cfg.lora_publish == "adapter" else "full"
+        self.publishing = Publishing(
+            base_model=self.cfg.model, base_fingerprint=base_fingerprint,
+            dtype=publish_dtype(self.cfg.publish_dtype), snapshot_every=self.cfg.snapshot_every,
+            keep=self.cfg.keep_versions)
+        self.chain: Chain | None = None
         M.VERSION.set(resume.version)
 
     # -- the consumer's handler -------------------------------------------------------------------
@@ -281,12 +293,14 @@ class TrainerService:
 
     async def snapshot(self) -> None:
         epoch = self.follow.epoch  # the lineage these weights belong to, whatever is decided meanwhile
-        await self.upload_slots.acquire()
+        waited = time.perf_counter()
+        await self.upload_slots.acquire()  # training waits only when max_pending_uploads are in flight
+        M.UPLOAD_WAIT_SECONDS.observe(time.perf_counter() - waited)
         version, self.next_version = self.next_version, self.next_version + 1
         started = time.perf_counter()
         snap = await asyncio.to_thread(
             take_snapshot, self.trainer, version, self.step, self.window, self.lineage.list(),
-            M.average(self.window_metrics), parent=self.version, epoch=epoch,
+            M.average(self.window_metrics), parent=self.version, epoch=epoch, fmt=self.format,
         )  # fmt: skip
         M.SNAPSHOT_SECONDS.observe(time.perf_counter() - started)
         self.version = version
@@ -357,11 +371,13 @@ class TrainerService:
             guard = self.follow.guard(snap)
             try:
                 gate = await self.gate_view()
-                manifest = await self.bucket.run(
+                manifest, chain = await self.bucket.run(
                     commit_snapshot, self.bucket.sync, self.settings.run, snap, self.trainer.model,
                     work_dir=self.work_dir, static_dir=self.static_dir, base_model=self.cfg.model,
-                    keep=self.cfg.keep_versions, guard=guard, gate=gate,
+                    keep=self.cfg.keep_versions, guard=guard, gate=gate, publishing=self.publishing,
+                    chain=self.chain,
                 )  # fmt: skip
+                self.chain = chain
             except Superseded as exc:
                 log.warning("commit stopped: %s", exc, extra={"version": snap.version})
                 if exc.decision is not None and snap.epoch == self.follow.epoch:  # the guard saw it first
@@ -379,9 +395,13 @@ class TrainerService:
             M.COMMITS.inc()
             if self.follow.committed(snap, guard):
                 M.VERSION.set(snap.version)
+            stored = sum(f.size for f in manifest.stored())
+            M.VERSION_BYTES.labels(manifest.format, "delta" if manifest.encoded else "whole").observe(stored)
             log.info("committed version", extra={
                 "version": snap.version, "step": snap.step, "batches": len(snap.batch_ids),
-                "seconds": round(seconds, 3), "lag_s": round(time.time() - snap.taken_at, 3)})
+                "format": manifest.format, "dtype": manifest.dtype, "bytes": stored,
+                "deltas": len(manifest.encoded), "seconds": round(seconds, 3),
+                "lag_s": round(time.time() - snap.taken_at, 3)})
             return manifest
 
     # -- following a rollback (services/trainer/follow.py) ------------------------------------------------
@@ -408,6 +428,7 @@ class TrainerService:
         finally:
             shutil.rmtree(self.work_dir / "rebase", ignore_errors=True)
         self.step, self.version, self.committed_version = point.step, point.version, point.version
+        self.chain = None  # the next version is a full snapshot
         self.next_version = max(self.next_version, point.next_version)
         self.lineage = RecentIds(point.consumed, self.cfg.remember_batches)
         self.committed = RecentIds(point.consumed, self.cfg.remember_batches)
@@ -512,7 +533,8 @@ async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
         await bucket.ensure()
         # One base model per run: the first trainer claims the run, a later one on another
         # model refuses to start (shared/runs.py).
-        await bucket.run(claim_run, bucket.sync, await asyncio.to_thread(record_for, settings.run, cfg.model))
+        identity = await asyncio.to_thread(record_for, settings.run, cfg.model)
+        await bucket.run(claim_run, bucket.sync, identity)
         resume = await bucket.run(
             find_resume_point, bucket.sync, settings.run, work_dir / "resume", need_weights=not cfg.lora
         )
@@ -533,7 +555,8 @@ async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
         static_dir = await asyncio.to_thread(
             write_tokenizer, cfg.tokenizer or cfg.model, work_dir / "static")
         service = TrainerService(settings, bus, bucket, trainer, resume, work_dir=work_dir,
-                                 static_dir=static_dir, record=record, rebase_in_place=hooks is None)
+                                 static_dir=static_dir, record=record, rebase_in_place=hooks is None,
+                                 base_fingerprint=identity.fingerprint)
         consumer = Consumer(
             bus, K.BATCHES, K.GROUP_TRAINER, TrainBatch, service.handle,
             name=consumer_name(cfg.consumer_name or f"trainer-{settings.run}", "trainer"),

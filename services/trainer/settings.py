@@ -13,7 +13,10 @@
     NEXTSTATE_TRAINER__MICRO_BATCH_TOKENS=8192   padded tokens per forward; gradients accumulate
     NEXTSTATE_TRAINER__CHECKPOINT_EVERY=1        publish a version every K optimizer steps
     NEXTSTATE_TRAINER__KEEP_VERSIONS=3           versions (and trainer states) kept in the bucket
-    NEXTSTATE_TRAINER__LORA=false                LORA_RANK=16 LORA_ALPHA=32: publishes merged weights
+    NEXTSTATE_TRAINER__LORA=false                LORA_RANK=16 LORA_ALPHA=32; LORA_PUBLISH=adapter: each
+                                                 version is the PEFT adapter (merged: full weights)
+    NEXTSTATE_TRAINER__PUBLISH_DTYPE=auto        the published weights' dtype (auto: the trainer's)
+    NEXTSTATE_TRAINER__SNAPSHOT_EVERY=1          K > 1: deltas between full snapshots every K versions
     NEXTSTATE_TRAINER__DEVICE=auto               NEXTSTATE_TRAINER__DTYPE=auto (bf16 on GPU, fp32 on CPU)
     NEXTSTATE_TRAINER__HOST=127.0.0.1            NEXTSTATE_TRAINER__PORT=9103  (/healthz /readyz /metrics)
 
@@ -70,12 +73,26 @@ class TrainerConfig(BaseModel):
         2, ge=1, description="versions uploading while training goes on; then training waits"
     )
     remember_batches: int = Field(10_000, ge=100, description="consumed batch ids kept for replays")
+    # -- what a version carries (docs/weights.md) ------------------------------------------------
+    publish_dtype: Dtype = Field(
+        "auto", description="dtype of the published weights: the dtype the engine serves. auto: the "
+        "trainer's own (fp32 on CPU, where the trainer recomputes the engine's log-probs exactly; bf16 "
+        "on GPU, as SGLang serves); bfloat16 halves every full version for an engine that serves bf16")
+    snapshot_every: int = Field(
+        1, ge=1, description="full versions: a full snapshot every K versions, and in between each "
+        "weight file as a delta against the version before (XOR of the bits, then zstd; lossless). "
+        "1: every version whole")
     # -- LoRA ------------------------------------------------------------------------------------
-    lora: bool = Field(False, description="train LoRA adapters (versions are published merged)")
-    lora_rank: int = Field(16, ge=1, description="LoRA: rank")
-    lora_alpha: int = Field(32, ge=1, description="LoRA: alpha")
+    lora: bool = Field(False, description="train LoRA adapters (peft) instead of every weight")
+    lora_rank: int = Field(16, ge=1, description="LoRA rank r")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (the update is scaled by alpha / r)")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA: dropout")
-    lora_targets: list[str] | Literal["all-linear"] = Field("all-linear", description="LoRA: the modules adapted")
+    lora_targets: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="modules that get adapters: all-linear, or names such as [\"q_proj\",\"v_proj\"]")
+    lora_publish: Literal["adapter", "merged"] = Field(
+        "adapter", description="with LoRA, each version is the adapter (format adapter: a PEFT folder "
+        "the engine loads by name, megabytes) or the merged full weights (format full, for an engine "
+        "started without LoRA support)")
     # -- process -----------------------------------------------------------------------------------
     device: str = "auto"
     dtype: Dtype = "auto"

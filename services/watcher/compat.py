@@ -12,7 +12,11 @@ passed (blocking: run it off the event loop):
   that shapes the weights (SHAPE_KEYS);
 - tensors: each safetensors header parses, its data ends exactly at the end of its file
   (a truncated shard cannot pass), and the tensor names and shapes are the reference
-  model's, no more, no fewer (a tied output head may be saved or not).
+  model's, no more, no fewer (a tied output head may be saved or not);
+- base model: the version was trained from the served model (the manifest's
+  `base_fingerprint` against the reference folder's, shared/runs.py);
+- an adapter version instead: its config is the manifest's rank and alpha, and every A and
+  B matrix belongs to a linear layer of the served model, at (r, in) and (out, r).
 
 The reference is the model the engine serves: NEXTSTATE_WATCHER__BASE_MODEL, or the folder
 the engine reports in `/model_info` when the watcher can read it. Without one only the
@@ -21,6 +25,7 @@ files are checked, and the watcher says so once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -31,6 +36,7 @@ from pydantic import ValidationError
 
 from shared import checkpoints as ckpt
 from shared.errors import ChecksumMismatch, IncompatibleCheckpoint
+from shared.runs import model_fingerprint
 from shared.schemas import CheckpointManifest
 
 SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -39,6 +45,8 @@ SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size",
 TIED_HEAD, TIED_TO = "lm_head.weight", "model.embed_tokens.weight"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER_PREFIX = "base_model.model."  # PEFT's names of an adapter's tensors
 
 
 def sha256_of(path: Path) -> str:
@@ -147,10 +155,63 @@ def check_fits(folder: Path, reference: Path) -> None:
             f"unexpected {extra[:3]}, other shapes {wrong[:3]}")
 
 
+@functools.lru_cache(maxsize=8)
+def fingerprint(reference: Path) -> str:
+    """The identity of the served model's folder (shared/runs.py), computed once per folder."""
+    return model_fingerprint(reference)
+
+
+def check_base(manifest: CheckpointManifest, reference: Path) -> None:
+    """The version was trained from the model the engine serves (when the manifest says
+    which: `base_fingerprint`)."""
+    if manifest.base_fingerprint and manifest.base_fingerprint != (served := fingerprint(reference)):
+        raise IncompatibleCheckpoint(
+            f"v{manifest.version} was trained from another base model ({manifest.base_model}, "
+            f"{manifest.base_fingerprint[:19]}…) than the one served ({reference}, {served[:19]}…)")
+
+
+def check_adapter_fits(folder: Path, reference: Path, manifest: CheckpointManifest) -> None:
+    """A PEFT adapter folder fits the served model: its config is the manifest's (rank,
+    alpha), and each of its A (r, in) and B (out, r) belongs to a linear weight (out, in)
+    of the served model. IncompatibleCheckpoint if not."""
+    assert manifest.adapter is not None
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise IncompatibleCheckpoint(f"{folder.name}: no readable {ADAPTER_CONFIG} ({type(exc).__name__})") from None
+    spec = manifest.adapter
+    if not isinstance(config, dict) or config.get("r") != spec.rank or config.get("lora_alpha") != spec.alpha:
+        got = (config.get("r"), config.get("lora_alpha")) if isinstance(config, dict) else None
+        raise IncompatibleCheckpoint(f"{folder.name}: {ADAPTER_CONFIG} has (r, alpha) {got}, the manifest "
+                                     f"({spec.rank}, {spec.alpha:g})")
+    path = folder / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise IncompatibleCheckpoint(f"{folder.name}: no {ADAPTER_WEIGHTS}")
+    served = tensor_shapes(reference)
+    bad = []
+    for name, (_, shape) in safetensors_header(path).items():
+        module, _, part = name.removeprefix(ADAPTER_PREFIX).rpartition(".lora_")
+        target = served.get(f"{module}.weight")
+        if not name.startswith(ADAPTER_PREFIX) or part not in ("A.weight", "B.weight") or target is None \
+                or len(target) != 2:
+            bad.append(f"{name} (not a LoRA matrix of a linear layer of the served model)")
+            continue
+        out_f, in_f = target
+        want = (spec.rank, in_f) if part == "A.weight" else (out_f, spec.rank)
+        if shape != want:
+            bad.append(f"{name} {shape} (the served model needs {want})")
+    if bad:
+        raise IncompatibleCheckpoint(f"{folder.name}'s adapter does not fit the served model: {bad[:3]}")
+
+
 def verify_folder(folder: Path, reference: Path | None) -> CheckpointManifest:
     """Everything above; returns the folder's manifest. Raises ChecksumMismatch (files) or
-    IncompatibleCheckpoint (config, tensors)."""
+    IncompatibleCheckpoint (base model, config, tensors)."""
     manifest = check_files(folder)
     if reference is not None:
-        check_fits(folder, reference)
+        check_base(manifest, reference)
+        if manifest.format == "adapter":
+            check_adapter_fits(folder, reference, manifest)
+        else:
+            check_fits(folder, reference)
     return manifest

@@ -12,11 +12,15 @@ evaluation result arrives: the wait between passes blocks on `evals`):
 3. Whenever the engine serves something else — a new LATEST, a rollback, an engine that
    restarted on its base weights, a lost reload, weights someone else loaded — install the
    version (a complete local copy is used as is, without the bucket; otherwise download
-   into staging, check every sha256, rename), verify the folder in full right before the
-   load (compat.py: every file's size and sha256 again, and config and tensor shapes
-   against the served model — vLLM dies of a reload that fails, so nothing unverified is
-   ever sent), ask the engine to load it with `weight_version = str(version)`, and confirm
-   what it serves. A version failing any step is refused and the next choice tried; the
+   into staging — rebuilding files stored as deltas on the versions they build on — check
+   every sha256, rename), verify the folder in full right before the load (compat.py:
+   every file's size and sha256 again, the base model's identity, and config and tensor
+   shapes against the served model — vLLM dies of a reload that fails, so nothing
+   unverified is ever sent), ask the engine to serve it as `str(version)` (a full version
+   through `/update_weights_from_disk`, an adapter loaded by that name and the one it
+   replaces unloaded: shared/engine_client/versions.py), and confirm what it serves. A
+   delta that cannot be rebuilt refuses its version (`delta`), and the fallbacks below
+   reach the full snapshot its chain starts from. A version failing any step is refused and the next choice tried; the
    engine keeps its weights meanwhile. An engine that dies of a load it was asked for
    (`EngineDied`: vLLM after a failed reload) is reported at once, at CRITICAL: the
    supervisor restarts it, the version that broke it is held off like any refused one,
@@ -70,7 +74,9 @@ from services.watcher.target import (
 )
 from shared import checkpoints as ckpt
 from shared.engine_client import EngineClient
+from shared.engine_client.versions import serve_version
 from shared.errors import (
+    BrokenDelta,
     BusError,
     ChecksumMismatch,
     EngineDied,
@@ -259,16 +265,18 @@ class Watcher:
             return f"{self.cfg.engine_dir.rstrip('/')}/{folder.name}"
         return str(folder.resolve())
 
-    async def _install(self, version: int, latest: Latest) -> Path | None:
-        """The verified local folder of `version`; None (refused) if it does not verify."""
+    async def _install(self, version: int, latest: Latest) -> tuple[Path, CheckpointManifest] | None:
+        """The verified local folder of `version` and its manifest; None (refused) if it does not verify."""
         run = self.settings.run
         key = latest.pointer.manifest if latest.pointer and latest.version == version \
             else ckpt.manifest_key(run, version)
         folder = None
         try:
             folder = await self.bucket.run(install, self.bucket.sync, self.cfg.local_dir, run, version, key)
-            await self.bucket.run(verify_folder, folder, await self._reference())
-            return folder
+            manifest = await self.bucket.run(verify_folder, folder, await self._reference())
+            return folder, manifest
+        except BrokenDelta as exc:
+            await self._refuse(version, "delta", str(exc))
         except ChecksumMismatch as exc:
             await self._refuse(version, "checksum", str(exc))
         except IncompatibleCheckpoint as exc:
@@ -303,14 +311,14 @@ class Watcher:
         """Install, load and confirm `version`; None (refused and recorded) if any step fails."""
         cause: Cause = "reconcile" if version == self.good else "new_version"
         started = time.monotonic()
-        folder = await self._install(version, latest)
-        if folder is None:
+        installed = await self._install(version, latest)
+        if installed is None:
             return None
+        folder, manifest = installed
         downloaded = time.monotonic()
         try:
-            ok, message = await self.engine.update_weights(
-                self._engine_path(folder), str(version), abort_all_requests=self.cfg.abort_requests
-            )
+            ok, message = await serve_version(self.engine, self._engine_path(folder), manifest,
+                                              abort_all_requests=self.cfg.abort_requests)
         except EngineDied as exc:
             await self._engine_died(version, str(exc))
             return None

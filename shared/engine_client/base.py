@@ -13,6 +13,12 @@ as `Authorization: Bearer` on every request, and maps failures onto shared.error
     4xx: the request itself is wrong          -> EngineRejected (with .status_code)
     the engine lacks the feature              -> EngineNotSupported
 
+LoRA versions: `load_adapter` / `unload_adapter` put an adapter into the engine by name and
+make it the weight version; a client made with `adapters=True` names that adapter in every
+request (asking the engine which it is at most once a second, and once more when a request
+is refused because the adapter it named was unloaded meanwhile), and reports it as the
+result's weight version.
+
 `generate` / `stream` with `top_logprobs_num=k` also return, per output token, the k most
 likely (token id, log-prob) pairs of the distribution the log-probs come from;
 `score_topk` does the same for teacher-forced tokens (SGLang; vLLM: EngineNotSupported). A
@@ -22,7 +28,10 @@ own option (SGLang: the sampling params of the same name; vLLM: `structured_outp
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +50,8 @@ from shared.errors import (
 from shared.schemas import SamplingParams
 
 SamplingLike = SamplingParams | Mapping[str, Any]
+ADAPTER_TTL_S = 1.0  # how stale a client's idea of the served LoRA adapter may be
+BASE_VERSION = "0"  # the weight version of the base model, before any trained version
 TopLogprobs = list[tuple[int, float]]  # one position's most likely (token id, log-prob), best first
 _SCHEMA_KEYS = frozenset(SamplingParams.model_fields)
 
@@ -117,6 +128,15 @@ class ChunkJoiner:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterAnswer:
+    """The engine's answer to loading or unloading a LoRA adapter."""
+
+    ok: bool
+    message: str
+    loaded: tuple[str, ...] | None = None  # the adapters it holds afterwards (None: it did not say)
+
+
 async def join_stream(chunks: AsyncIterator[GenerateChunk]) -> GenerateResult:
     joiner = ChunkJoiner()
     async for chunk in chunks:
@@ -159,6 +179,10 @@ class EngineClient(Protocol):
     async def update_weights(
         self, model_path: str, weight_version: str, *, abort_all_requests: bool = False
     ) -> tuple[bool, str]: ...
+
+    async def load_adapter(self, name: str, path: str) -> AdapterAnswer: ...
+
+    async def unload_adapter(self, name: str) -> AdapterAnswer: ...
 
     async def model_info(self) -> dict[str, Any]: ...
 
@@ -215,8 +239,15 @@ class HTTPEngine:
         update_timeout: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
         api_key: str | None = None,
+        adapters: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # LoRA versions: name the adapter the engine's weight version points at in every
+        # request (SGLang and vLLM serve the base model to requests that name none).
+        self.name_adapters = adapters
+        self._named: str | None = None
+        self._named_at = -ADAPTER_TTL_S
+        self._naming = asyncio.Lock()
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.update_timeout = update_timeout
@@ -249,6 +280,100 @@ class HTTPEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    # -- generation, naming the served LoRA adapter ---------------------------------------
+
+    async def weight_version(self) -> str:
+        raise NotImplementedError
+
+    async def adapter(self) -> str | None:
+        """The LoRA adapter to name in a request: with `adapters` on, the engine's weight
+        version (asked at most every ADAPTER_TTL_S), None while that is the base ("0")."""
+        if not self.name_adapters:
+            return None
+        async with self._naming:
+            if time.monotonic() - self._named_at >= ADAPTER_TTL_S:
+                version = await self.weight_version()
+                self._named = None if version in ("", BASE_VERSION) else version
+                self._named_at = time.monotonic()
+            return self._named
+
+    def forget_adapter(self) -> None:
+        """Ask the engine again before the next request (after a load, or a refusal)."""
+        self._named_at = -ADAPTER_TTL_S
+
+    async def _renamed(self, used: str | None, exc: EngineRejected) -> str | None:
+        """After `exc` for a request naming `used`: the adapter to retry with, when the engine
+        now serves another (the one named was unloaded meanwhile); else `exc` stands."""
+        if used is None:
+            raise exc
+        self.forget_adapter()
+        now = await self.adapter()
+        if now == used:
+            raise exc
+        return now
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingLike,
+        *,
+        return_logprob: bool = True,
+        stop_token_ids: Iterable[int] | None = None,
+        rid: str | None = None,
+        top_logprobs_num: int = 0,
+    ) -> GenerateResult:
+        """One generation (with `adapters` on, on the adapter the engine serves: the result
+        reports it as its weight version)."""
+        kw: dict[str, Any] = {"return_logprob": return_logprob, "stop_token_ids": stop_token_ids, "rid": rid,
+                              "top_logprobs_num": top_logprobs_num}
+        adapter = await self.adapter()
+        try:
+            result = await self._generate(input_ids, sampling, adapter=adapter, **kw)
+        except EngineRejected as exc:
+            adapter = await self._renamed(adapter, exc)
+            result = await self._generate(input_ids, sampling, adapter=adapter, **kw)
+        return result if adapter is None else dataclasses.replace(result, weight_version=adapter)
+
+    async def stream(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingLike,
+        *,
+        return_logprob: bool = True,
+        stop_token_ids: Iterable[int] | None = None,
+        rid: str | None = None,
+        top_logprobs_num: int = 0,
+    ) -> AsyncIterator[GenerateChunk]:
+        """`generate`, chunk by chunk (a refused adapter is retried before the first chunk only)."""
+        kw: dict[str, Any] = {"return_logprob": return_logprob, "stop_token_ids": stop_token_ids, "rid": rid,
+                              "top_logprobs_num": top_logprobs_num}
+        adapter = await self.adapter()
+        started = False
+        for attempt in range(2):
+            try:
+                async for chunk in self._stream(input_ids, sampling, adapter=adapter, **kw):
+                    started = True
+                    if adapter is not None and chunk.weight_version is not None:
+                        chunk = dataclasses.replace(chunk, weight_version=adapter)
+                    yield chunk
+                return
+            except EngineRejected as exc:
+                if started or attempt:
+                    raise
+                adapter = await self._renamed(adapter, exc)
+
+    async def _generate(
+        self, input_ids: Sequence[int], sampling: SamplingLike, *, return_logprob: bool,
+        stop_token_ids: Iterable[int] | None, rid: str | None, top_logprobs_num: int, adapter: str | None,
+    ) -> GenerateResult:  # fmt: skip
+        raise NotImplementedError
+
+    def _stream(
+        self, input_ids: Sequence[int], sampling: SamplingLike, *, return_logprob: bool,
+        stop_token_ids: Iterable[int] | None, rid: str | None, top_logprobs_num: int, adapter: str | None,
+    ) -> AsyncIterator[GenerateChunk]:  # fmt: skip
+        raise NotImplementedError
 
     # -- errors -----------------------------------------------------------------------
 

@@ -10,6 +10,11 @@
   reports the first position of that window as null, so the values are entries 1…
 - update_weights: `POST /update_weights_from_disk`; SGLang answers 400 with
   `success: false` when the load fails, which is returned, not raised.
+- LoRA adapters: `load_adapter` / `unload_adapter` are `/load_lora_adapter` and
+  `/unload_lora_adapter` (SGLang started with `--enable-lora`; our engine always), and a
+  load sets `/update_weight_version` to the adapter's name; with `adapters=True` every
+  request names that adapter as `lora_path` (SGLang serves the base to requests that name
+  none; our engine serves its newest adapter either way).
 - auth: `api_key` goes out as `Authorization: Bearer` on every call. SGLang started with
   `--api-key` checks it everywhere except `/health*`, `/ready*` and `/metrics*` (its
   `srt/utils/auth.py`); our CPU engine everywhere except `/health`, `/healthz`,
@@ -22,6 +27,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from shared.engine_client.base import (
+    AdapterAnswer,
     GenerateChunk,
     GenerateResult,
     HTTPEngine,
@@ -30,7 +36,7 @@ from shared.engine_client.base import (
     check_score_range,
     split_sampling,
 )
-from shared.errors import EngineRejected, EngineUnavailable
+from shared.errors import EngineNotSupported, EngineRejected, EngineUnavailable
 
 
 def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
@@ -81,6 +87,7 @@ class SGLangClient(HTTPEngine):
         rid: str | None,
         stream: bool,
         top_logprobs_num: int = 0,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
         sp, extra = split_sampling(sampling)
         params: dict[str, Any] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
@@ -108,21 +115,24 @@ class SGLangClient(HTTPEngine):
             body["top_logprobs_num"] = top_logprobs_num
         if rid is not None:
             body["rid"] = rid
+        if adapter is not None:
+            body["lora_path"] = adapter  # SGLang's name of the LoRA adapter to run with
         return body
 
-    async def generate(
+    async def _generate(
         self,
         input_ids: Sequence[int],
         sampling: SamplingLike,
         *,
-        return_logprob: bool = True,
-        stop_token_ids: Iterable[int] | None = None,
-        rid: str | None = None,
-        top_logprobs_num: int = 0,
+        return_logprob: bool,
+        stop_token_ids: Iterable[int] | None,
+        rid: str | None,
+        top_logprobs_num: int,
+        adapter: str | None,
     ) -> GenerateResult:
         body = self.payload(
-            input_ids, sampling, return_logprob=return_logprob,
-            stop_token_ids=stop_token_ids, rid=rid, stream=False, top_logprobs_num=top_logprobs_num,
+            input_ids, sampling, return_logprob=return_logprob, stop_token_ids=stop_token_ids,
+            rid=rid, stream=False, top_logprobs_num=top_logprobs_num, adapter=adapter,
         )  # fmt: skip
         out = await self.json("POST", "/generate", json_body=body)
         meta = out.get("meta_info") or {}
@@ -148,19 +158,20 @@ class SGLangClient(HTTPEngine):
             output_top_logprobs=top,
         )
 
-    async def stream(
+    async def _stream(
         self,
         input_ids: Sequence[int],
         sampling: SamplingLike,
         *,
-        return_logprob: bool = True,
-        stop_token_ids: Iterable[int] | None = None,
-        rid: str | None = None,
-        top_logprobs_num: int = 0,
+        return_logprob: bool,
+        stop_token_ids: Iterable[int] | None,
+        rid: str | None,
+        top_logprobs_num: int,
+        adapter: str | None,
     ) -> AsyncIterator[GenerateChunk]:
         body = self.payload(
-            input_ids, sampling, return_logprob=return_logprob,
-            stop_token_ids=stop_token_ids, rid=rid, stream=True, top_logprobs_num=top_logprobs_num,
+            input_ids, sampling, return_logprob=return_logprob, stop_token_ids=stop_token_ids,
+            rid=rid, stream=True, top_logprobs_num=top_logprobs_num, adapter=adapter,
         )  # fmt: skip
         seen_ids = 0
         seen_lps = 0
@@ -231,6 +242,7 @@ class SGLangClient(HTTPEngine):
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
             "return_logprob": True,
             "logprob_start_len": start - 1,
+            **self.adapter_field(await self.adapter()),
         }
         out = await self.json("POST", "/generate", json_body=body)
         entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
@@ -256,6 +268,7 @@ class SGLangClient(HTTPEngine):
             "return_logprob": True,
             "logprob_start_len": start - 1,
             "top_logprobs_num": k,
+            **self.adapter_field(await self.adapter()),
         }
         out = await self.json("POST", "/generate", json_body=body)
         meta = out.get("meta_info") or {}
@@ -288,6 +301,40 @@ class SGLangClient(HTTPEngine):
         if not isinstance(data, dict) or "success" not in data:
             raise self.status_error(resp.status_code, resp.content, "/update_weights_from_disk")
         return bool(data["success"]), str(data.get("message", ""))
+
+    @staticmethod
+    def adapter_field(adapter: str | None) -> dict[str, str]:
+        return {"lora_path": adapter} if adapter is not None else {}
+
+    async def load_adapter(self, name: str, path: str) -> AdapterAnswer:
+        """`/load_lora_adapter`, then `/update_weight_version` to `name`: the weight version a
+        client reads from now on names the adapter to run with. A name already loaded (a
+        rollback onto an adapter not yet unloaded) is only made the weight version again."""
+        answer = await self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        if not answer.ok and "already loaded" in answer.message and name in (answer.loaded or ()):
+            answer = AdapterAnswer(True, f"{name!r} was loaded already", answer.loaded)
+        if answer.ok:
+            await self.request("POST", "/update_weight_version", json_body={"new_version": name}, ok=(404,))
+            self.forget_adapter()
+        return answer
+
+    async def unload_adapter(self, name: str) -> AdapterAnswer:
+        return await self._adapter_call("/unload_lora_adapter", {"lora_name": name})
+
+    async def _adapter_call(self, path: str, body: dict[str, Any]) -> AdapterAnswer:
+        resp = await self.request("POST", path, json_body=body, timeout=self.update_timeout, ok=(400, 404))
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if resp.status_code == 404 and not (isinstance(data, dict) and "success" in data):
+            raise EngineNotSupported(f"the engine has no {path}: start SGLang with --enable-lora "
+                                     "(--max-lora-rank R --lora-target-modules all)")
+        if not isinstance(data, dict) or "success" not in data:
+            raise self.status_error(resp.status_code, resp.content, path)
+        loaded = data.get("loaded_adapters")
+        return AdapterAnswer(bool(data["success"]), str(data.get("error_message") or data.get("message") or ""),
+                             tuple(loaded) if isinstance(loaded, dict | list) else None)
 
     async def model_info(self) -> dict[str, Any]:
         if self._model_info_path == "/model_info":

@@ -36,6 +36,10 @@ vLLM with all of it; `nextstate up --engine vllm` does that):
   model's own) before it resumes, retries `/resume`, and raises `EngineDied` when vLLM
   could not be put right. Without dev mode the endpoints answer 404: `EngineNotSupported`.
 - weight_version: `GET /weight_info` (dev mode); otherwise the version this client loaded.
+- LoRA adapters (`--enable-lora --max-lora-rank R`, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True):
+  `load_adapter` is `/v1/load_lora_adapter` then `/update_weight_version` to the adapter's
+  name, `unload_adapter` `/v1/unload_lora_adapter` (running requests finish on the adapter);
+  with `adapters=True` a request names the adapter as its `model`, and so does `score`.
 - auth: `api_key` goes out as `Authorization: Bearer` on every call. vLLM's own
   `--api-key` guards only `/v1`, `/v2`, `/inference`, `/cohere`; `python -m services.vllm`
   (what the stack runs) guards every route but `/health` and `/ping`.
@@ -49,6 +53,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from shared.engine_client.base import (
+    AdapterAnswer,
     GenerateChunk,
     GenerateResult,
     HTTPEngine,
@@ -130,7 +135,7 @@ class VLLMClient(HTTPEngine):
 
     def payload(
         self, input_ids: Sequence[int], sampling: SamplingLike, *, stop_token_ids: Iterable[int] | None,
-        stream: bool, top_logprobs_num: int = 0, rid: str | None = None,
+        stream: bool, top_logprobs_num: int = 0, rid: str | None = None, adapter: str | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         sp, extra = split_sampling(sampling)
         params: dict[str, Any] = {
@@ -158,20 +163,23 @@ class VLLMClient(HTTPEngine):
             body["stream_options"] = {"include_usage": True}
         if rid is not None:
             body["request_id"] = rid
+        if adapter is not None:
+            body["model"] = adapter  # vLLM runs a request on the LoRA adapter its model names
         return body
 
-    async def generate(
+    async def _generate(
         self,
         input_ids: Sequence[int],
         sampling: SamplingLike,
         *,
-        return_logprob: bool = True,
-        stop_token_ids: Iterable[int] | None = None,
-        rid: str | None = None,
-        top_logprobs_num: int = 0,
+        return_logprob: bool,
+        stop_token_ids: Iterable[int] | None,
+        rid: str | None,
+        top_logprobs_num: int,
+        adapter: str | None,
     ) -> GenerateResult:
         body = self.payload(input_ids, sampling, stop_token_ids=stop_token_ids, stream=False,
-                            top_logprobs_num=top_logprobs_num, rid=rid)  # fmt: skip
+                            top_logprobs_num=top_logprobs_num, rid=rid, adapter=adapter)  # fmt: skip
         out = await self.json("POST", GENERATE, json_body=body)
         choices = out.get("choices") or []
         if not choices:
@@ -196,18 +204,19 @@ class VLLMClient(HTTPEngine):
             output_top_logprobs=_top(choice, top_logprobs_num),
         )
 
-    async def stream(
+    async def _stream(
         self,
         input_ids: Sequence[int],
         sampling: SamplingLike,
         *,
-        return_logprob: bool = True,
-        stop_token_ids: Iterable[int] | None = None,
-        rid: str | None = None,
-        top_logprobs_num: int = 0,
+        return_logprob: bool,
+        stop_token_ids: Iterable[int] | None,
+        rid: str | None,
+        top_logprobs_num: int,
+        adapter: str | None,
     ) -> AsyncIterator[GenerateChunk]:
         body = self.payload(input_ids, sampling, stop_token_ids=stop_token_ids, stream=True,
-                            top_logprobs_num=top_logprobs_num, rid=rid)  # fmt: skip
+                            top_logprobs_num=top_logprobs_num, rid=rid, adapter=adapter)  # fmt: skip
         text, total = "", 0
         final: GenerateChunk | None = None
         async for event in self.sse(GENERATE, body):
@@ -255,7 +264,8 @@ class VLLMClient(HTTPEngine):
                 "prompt log-probs (SGLang, our CPU engine)")
         if start == len(ids):
             return []
-        body = {"model": await self._model(), "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}
+        body = {"model": await self.adapter() or await self._model(), "prompt": ids, "max_tokens": 1,
+                "prompt_logprobs": 0}
         out = await self.json("POST", "/v1/completions", json_body=body)
         rows = ((out.get("choices") or [{}])[0]).get("prompt_logprobs")
         if not rows or len(rows) != len(ids):
@@ -364,6 +374,42 @@ class VLLMClient(HTTPEngine):
             if not await self.health():
                 return False
         return True
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str) -> AdapterAnswer:
+        """`/v1/load_lora_adapter` (vLLM started with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), then `/update_weight_version` to `name`. vLLM
+        answers a load that fails with an error and keeps serving (checked against 0.32: a
+        truncated adapter is a 500 and the server stays healthy)."""
+        ok, message = await self._lora("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        if not ok and "already been loaded" in message:
+            ok, message = True, f"{name!r} was loaded already"
+        if ok:
+            await self._dev("/update_weight_version", "update_weight_version", json_body={"new_version": name})
+            self._version = name
+            self.forget_adapter()
+        return AdapterAnswer(ok, message, await self._adapters())
+
+    async def unload_adapter(self, name: str) -> AdapterAnswer:
+        """`/v1/unload_lora_adapter`: new requests can no longer name it; those running finish on it."""
+        ok, message = await self._lora("/v1/unload_lora_adapter", {"lora_name": name})
+        return AdapterAnswer(ok, message, await self._adapters())
+
+    async def _lora(self, path: str, body: dict[str, Any]) -> tuple[bool, str]:
+        resp = await self.request("POST", path, json_body=body, timeout=self.update_timeout, ok=(400, 404, 500))
+        if resp.status_code < 300:
+            return True, resp.text
+        message = self.error_message(resp.content)
+        if resp.status_code == 404 and message == "Not Found":
+            raise EngineNotSupported(f"vLLM has no {path}: start it with --enable-lora --max-lora-rank R "
+                                     "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (shared/vllm_engine.py does "
+                                     "with NEXTSTATE_ENGINE__LORA_RANK)")
+        return False, message
+
+    async def _adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters vLLM lists in /v1/models (those with a parent)."""
+        data = await self.json("GET", "/v1/models")
+        return tuple(str(m["id"]) for m in data.get("data") or [] if m.get("parent"))
 
     async def model_info(self) -> dict[str, Any]:
         data = await self.json("GET", "/v1/models")

@@ -120,9 +120,19 @@ async def test_a_scrambled_version_is_refused_and_never_served(
                 await asyncio.sleep(0.1)
 
         decision, _ = await asyncio.gather(until(refused, 300, "the gate's decision on it"), watch_engine())
-        for _ in range(10):  # and afterwards, a few polls of the watcher
-            serving()
-            await asyncio.sleep(0.3)
+        refused_at = time.time()
+
+        def checked_at() -> float:
+            with stack.redis() as r:
+                return float(r.hget(keys.watcher_state, "checked_at") or 0)
+
+        # And afterwards: two watcher passes (each asks the engine, then records checked_at in
+        # watcher-state), the second begun after the refusal was on the stream.
+        after = await until(lambda: (c := checked_at()) > refused_at and c, 60, "a watcher pass after it")
+        await until(lambda: checked_at() > after, 60, "a second watcher pass after it")
+        serving()
+        with stack.redis() as r:
+            assert r.hget(keys.watcher_state, "target_version") != str(bad)
         assert bad not in served_versions, "the scrambled version was served"
         assert any("drift" in reason for reason in decision.reasons), decision.reasons
         assert await load.served_since(t0, n=20)  # users kept getting answers meanwhile

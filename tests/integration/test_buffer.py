@@ -87,6 +87,22 @@ def metric(text: str, name: str, **labels: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+async def sweeps(client: httpx.AsyncClient, kind: str) -> float:
+    """How many sweeps of `kind` (final, episode, group) the buffer completed, from /metrics."""
+    return metric((await client.get("/metrics")).text, "nextstate_buffer_sweeps_total", kind=kind)
+
+
+async def more_sweeps(client: httpx.AsyncClient, kind: str, n: int = 2) -> None:
+    """Return once `n` more sweeps of `kind` completed: the first may have begun before the
+    call, every later one looked at what Redis held then."""
+    since = await sweeps(client, kind)
+
+    async def done() -> bool:
+        return await sweeps(client, kind) >= since + n
+
+    await eventually(done, what=f"{n} more {kind} sweeps")
+
+
 def buffer_settings(settings: Settings, **buffer: Any) -> BufferSettings:
     data = settings.model_dump()
     data["streams"] = {**data["streams"], **FAST_STREAMS}

@@ -9,7 +9,6 @@ opd mode leaves groups alone; a late member uses the fixed statistics.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Awaitable
 from typing import Any
@@ -20,7 +19,7 @@ from shared import keys as K
 from shared.schemas import SamplingParams, ScoredTurn, TrainSample, Turn
 from shared.streams import Bus
 from tests.integration import test_buffer
-from tests.integration.test_buffer import StartApp, group_done, samples
+from tests.integration.test_buffer import StartApp, group_done, more_sweeps, samples
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -77,13 +76,17 @@ async def test_raw_trains_every_member_on_its_own_reward_at_once(start: StartApp
 
 
 async def test_group_norm_waits_for_the_group_then_normalizes(start: StartApp, bus: Bus) -> None:
-    await start(batch_size=16, max_wait_s=0.2, group_advantage="group_norm")
+    client = await start(batch_size=16, max_wait_s=0.2, group_advantage="group_norm")
     members = [member("g-norm", i, 3, r) for i, r in enumerate((1.0, -1.0, 1.0))]
     await publish(bus, *members[:2])
     await eventually(lambda: group_done(bus), what="two members held, their entries acked")
     assert await bus.redis.hlen(bus.keys.chat_group_turns("g-norm")) == 2
-    await asyncio.sleep(0.5)  # several sweeps: nothing until the group came
-    assert await samples(bus) == []
+    # Nothing until the group came: two sweeps later the group is still where holding put
+    # it (a claim would have moved its score) and nothing is decided.
+    held = await bus.redis.zrange(bus.keys.chat_groups, 0, -1, withscores=True)
+    await more_sweeps(client, "group")
+    assert await bus.redis.zrange(bus.keys.chat_groups, 0, -1, withscores=True) == held
+    assert await counts(bus) == {} and await samples(bus) == []
     await publish(bus, members[2])
     got = await eventually(lambda: _at_least(samples(bus), 3), what="the group's 3 samples")
     # [1, -1, 1]: mean 1/3, std sqrt(((2/3)^2 * 2 + (4/3)^2) / 2) = sqrt(4/3).

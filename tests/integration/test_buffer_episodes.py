@@ -7,7 +7,6 @@ A buffer killed while it holds turns is in test_buffer_service.py.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -19,7 +18,7 @@ from shared import keys as K
 from shared.schemas import Outcome, ScoredTurn
 from shared.streams import Bus
 from tests.integration import test_buffer
-from tests.integration.test_buffer import StartApp, group_done, samples, scored_turn
+from tests.integration.test_buffer import StartApp, group_done, more_sweeps, samples, scored_turn
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -60,15 +59,19 @@ def rewards(got: list[Any]) -> dict[tuple[str, int], float]:
 
 
 async def test_turns_first_then_the_outcome_rewards_every_turn(start: StartApp, bus: Bus) -> None:
-    await start(batch_size=16, max_wait_s=0.2)
+    client = await start(batch_size=16, max_wait_s=0.2)
     turns = episode("env:a", 1, -1)
     side = scored_turn("env:a", 5, reward=1)
     side = side.model_copy(update={"turn": side.turn.model_copy(update={"turn_type": "side"})})
     await publish(bus, *turns, side)
     await eventually(lambda: group_done(bus), what="the turns held, their entries acked")
     assert await bus.redis.hlen(bus.keys.episode_turns("env:a")) == 3
-    await asyncio.sleep(0.5)  # a few sweeps: nothing without the outcome
-    assert await samples(bus) == []
+    # Nothing without the outcome: two sweeps later the session is still where holding put
+    # it (a claim would have moved its score) and only the side turn is decided.
+    held = await bus.redis.zrange(bus.keys.episode_sessions, 0, -1, withscores=True)
+    await more_sweeps(client, "episode")
+    assert await bus.redis.zrange(bus.keys.episode_sessions, 0, -1, withscores=True) == held
+    assert await counts(bus) == {"side": 1} and await samples(bus) == []
     await publish(bus, outcome("env:a", 0.75))
     got = await eventually(lambda: _at_least(samples(bus), 2), what="the episode's 2 samples")
     # The outcome on every main turn with a next state, whatever the judge said.
@@ -93,8 +96,10 @@ async def test_outcome_first_then_the_turns(start: StartApp, bus: Bus) -> None:
     late = scored_turn("env:b", 2, reward=0)
     await publish(bus, turns[0], late)
     await eventually(lambda: _at_least(samples(bus), 2), what="the late turn's sample")
+    # Every entry handled (held or decided), then every held turn decided and its batch
+    # published: nothing is left that could make another sample.
+    await eventually(lambda: group_done(bus), what="the copy and the late turn handled")
     await eventually(lambda: nothing_held(bus))
-    await asyncio.sleep(0.3)
     assert sorted(s.turn_index for s in await samples(bus)) == [0, 2]
     assert await counts(bus) == {"kept": 2, "no_next_state": 1}
 
@@ -105,8 +110,14 @@ async def test_outcome_plus_prm_with_group_mean_waits_for_the_group(start: Start
     await publish(bus, *episode("env:x", 1), outcome("env:x", 1.0, group="t1", index=0, size=2))
     await eventually(lambda: group_done(bus, K.OUTCOMES, K.GROUP_OUTCOMES))
     await eventually(lambda: group_done(bus))
-    await asyncio.sleep(0.5)
-    assert await samples(bus) == []  # one outcome of two: the group's mean is not known yet
+
+    async def waits_for_its_group() -> bool:  # its outcome made it due; the sweep put it back
+        score = await bus.redis.zscore(bus.keys.episode_sessions, "env:x")
+        return score is not None and score > time.time() + 300  # the group's deadline (600 s)
+
+    await eventually(waits_for_its_group, what="the sweep looked at env:x and chose to wait")
+    # one outcome of two: the group's mean is not known yet, nothing is decided
+    assert await counts(bus) == {} and await samples(bus) == []
     await publish(bus, outcome("env:y", -0.5, group="t1", index=1, size=2), *episode("env:y", -1, 0))
     got = await eventually(lambda: _at_least(samples(bus), 3), what="both episodes' samples")
     # mean 0.25; x: A = 0.75, y: A = -0.75; + 0.5 x the judge's score of the turn.
@@ -139,9 +150,12 @@ async def test_failed_episode_missing_outcome_and_too_small_group_are_dropped(
                                             error="the policy did not answer"),
         *episode("env:lonely", 1), outcome("env:lonely", 1.0, group="t4", index=0, size=2),
         *episode("env:lost", 1, 1))  # its outcome never comes
+    # Every entry handled (the turns held), then every session decided: nothing is left
+    # that could make a sample.
+    await eventually(lambda: group_done(bus), what="every turn held")
+    await eventually(lambda: group_done(bus, K.OUTCOMES, K.GROUP_OUTCOMES), what="both outcomes kept")
     await eventually(lambda: nothing_held(bus), timeout=10, what="every session decided")
     assert time.monotonic() - began >= 1.0
-    await asyncio.sleep(0.3)
     assert await samples(bus) == []  # never a made-up reward
     assert await counts(bus) == {"episode_failed": 2, "group_too_small": 2, "outcome_missing": 3}
 

@@ -28,6 +28,7 @@ from tests.integration.test_buffer import (
     StartApp,
     buffer_settings,
     group_done,
+    more_sweeps,
     samples,
     scored_turn,
 )
@@ -50,14 +51,18 @@ async def no_candidates(bus: Bus) -> bool:
 
 async def test_final_turn_waits_for_its_earlier_turns(start: StartApp, bus: Bus) -> None:
     """The final turn arrives first; the earlier positive turn is batched; nothing is forced."""
-    await start(batch_size=16, max_wait_s=0.2, force_settle_s=60)
+    client = await start(batch_size=16, max_wait_s=0.2, force_settle_s=60)
     await bus.publish(K.SCORED, scored_turn("S", 2, final=True))
     await eventually(lambda: group_done(bus), what="the final turn handled (parked)")
     assert await bus.redis.zcard(bus.keys.force_candidates) == 1
     await bus.publish(K.SCORED, scored_turn("S", 0, reward=0))  # excluded: zero reward
-    await asyncio.sleep(0.6)  # a few sweeps: index 1 is still missing, so nothing is decided
-    assert await bus.redis.zcard(bus.keys.force_candidates) == 1
-    assert await samples(bus) == []
+    await eventually(lambda: group_done(bus), what="turn 0 decided")
+    # Two sweeps after turn 0 was decided, index 1 is still missing: the final turn is still
+    # parked where the intake put it (a claim would have moved its score), nothing forced.
+    parked = await bus.redis.zrange(bus.keys.force_candidates, 0, -1, withscores=True)
+    await more_sweeps(client, "final")
+    assert await bus.redis.zrange(bus.keys.force_candidates, 0, -1, withscores=True) == parked
+    assert await counts(bus) == {"zero_reward": 1} and await samples(bus) == []
     await bus.publish(K.SCORED, scored_turn("S", 1, reward=1))
     await eventually(lambda: no_candidates(bus), what="the final turn decided once 0 and 1 are")
     await eventually(lambda: group_done(bus))
@@ -110,10 +115,11 @@ async def test_redelivered_turns_are_counted_once(start: StartApp, bus: Bus) -> 
     turns = [scored_turn("S", 0, reward=0), scored_turn("S", 1, reward=1), scored_turn("S", 2, final=True)]
     for t in turns + turns + [t.model_copy(update={"id": f"again-{i}"}) for i, t in enumerate(turns)]:
         await bus.publish(K.SCORED, t)
+    # Every entry handled (decided, or the final turn parked; a kept sample's entry is acked
+    # only once its batch is published), then the parked turn decided (and unparked only
+    # after its batch, if any, is published): no duplicate is left to show up later.
     await eventually(lambda: group_done(bus))
     await eventually(lambda: no_candidates(bus))
-    await eventually(lambda: _at_least(samples(bus), 1))
-    await asyncio.sleep(0.5)  # late duplicates would show up now
     assert [s.turn_index for s in await samples(bus)] == [1]
     assert await counts(bus) == {"zero_reward": 1, "kept": 1, "no_next_state": 1}
 

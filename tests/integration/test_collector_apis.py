@@ -377,17 +377,30 @@ def test_anthropic_auth_and_errors(stack: dict[str, str]) -> None:
         with pytest.raises(anthropic.BadRequestError, match="text only") as bad:
             ac.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [image]}])  # type: ignore[list-item]
         assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
-        with pytest.raises(anthropic.BadRequestError, match="web_search"):
+        search = {"type": "web_search_20250305", "name": "web_search"}
+        with pytest.raises(anthropic.BadRequestError, match="forces the server tool 'web_search'"):
             ac.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
-                               tools=[{"type": "web_search_20250305", "name": "web_search"}])  # fmt: skip
+                               tools=[search], tool_choice={"type": "tool", "name": "web_search"})  # type: ignore[list-item]
+        # Offered, not forced: left out of the prompt, and said so.
+        offered = ac.messages.with_raw_response.create(
+            model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            tools=[search, *ANTHROPIC_TOOLS], extra_headers={"X-Turn-Type": "side"})  # type: ignore[list-item]
+        assert offered.headers["x-nextstate-dropped-tools"] == "web_search_20250305"
+        assert offered.parse().type == "message"
     wrong = httpx.get(url, headers={"x-api-key": KEY}, timeout=30)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_responses_errors(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="web_search") as bad:
-        client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
-    assert bad.value.param == "tools"
+    with pytest.raises(openai.BadRequestError, match="forces the built-in tool 'web_search'") as bad:
+        client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}],  # type: ignore[list-item]
+                                tool_choice={"type": "web_search"})  # type: ignore[arg-type]
+    assert bad.value.param == "tool_choice"
+    offered = client.responses.with_raw_response.create(
+        model="m", input="hi", tools=[{"type": "web_search"}, *RESPONSES_TOOLS],  # type: ignore[list-item]
+        extra_headers={"X-Turn-Type": "side"})  # fmt: skip
+    assert offered.headers["x-nextstate-dropped-tools"] == "web_search"
+    assert offered.parse().status in ("completed", "incomplete")
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.create(model="m", input="hi", previous_response_id="resp_nope")
     assert missing.value.param == "previous_response_id"
@@ -441,3 +454,38 @@ def test_langchain_bind_tools(
     assert first.next_state == [tool_message(call["id"])]
     user = {"role": "user", "content": QUESTIONS[1]}
     assert first.prompt_ids == chat_prompt_ids(client, turns, [user], TOOLS)
+
+
+def test_a_prompt_over_the_context_is_an_overflow_every_agent_recognises(stack: dict[str, str],
+                                                                         client: openai.OpenAI) -> None:  # fmt: skip
+    """The tool model's window is 2048 tokens (its config's max_position_embeddings): the
+    collector knows it from the engine and refuses before calling it, on every API, in
+    each one's words; streamed requests too (before any event). A max_tokens past the
+    window is cut to the room left (NEXTSTATE_COLLECTOR__MAX_TOKENS_OVER_CONTEXT=clamp)."""
+    models = client.models.list().data
+    assert models[0].model_extra == {"max_model_len": 2048, "context_length": 2048}
+    card = httpx.get(stack["url"] + "/v1/models", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                     timeout=30).json()  # fmt: skip
+    assert card["data"][0]["type"] == "model" and card["data"][0]["max_input_tokens"] == 2047
+    long = "weather " * 3000
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as chat:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": long}], stream=stream)
+        assert chat.value.code == "context_length_exceeded" and chat.value.param == "messages"
+        assert chat.value.body["message"].startswith(  # type: ignore[index]
+            "This model's maximum context length is 2048 tokens. However, your messages resulted in ")
+        with pytest.raises(openai.BadRequestError) as resp:
+            client.responses.create(model="m", input=long, stream=stream)
+        assert resp.value.code == "context_length_exceeded" and resp.value.param == "input"
+        with anthropic.Anthropic(base_url=stack["url"], api_key=KEY, max_retries=0, timeout=60) as ac:
+            with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 2047 maximum") as msg:
+                if stream:
+                    with ac.messages.stream(model="m", max_tokens=8, messages=[{"role": "user", "content": long}]) as s:
+                        s.get_final_message()
+                else:
+                    ac.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": long}])
+            assert msg.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+            # Claude Code asks for 32000 tokens whatever the model: served, not refused.
+            fits = ac.messages.create(model="m", max_tokens=32000, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                      extra_headers={"X-Turn-Type": "side"})  # type: ignore[list-item]
+            assert fits.type == "message"

@@ -29,6 +29,7 @@ from tests.support.collector_harness import (
     engine_process,
     wait_ready,
 )
+from tests.support.metrics import total
 from tests.support.servers import RedisServer, ServiceProcess
 
 pytestmark = pytest.mark.integration
@@ -115,7 +116,14 @@ def test_engine_killed_mid_stream_then_down(rig: Rig, tiny_model: Path) -> None:
         r = httpx.post(rig.fragile + "/v1/chat/completions", timeout=10, headers={"X-Session-Done": "1"},
                        json={"messages": [user("go on forever"), {"role": "assistant", "content": "x"}]})  # fmt: skip
         assert r.status_code == 502
-    time.sleep(0.3)
+    # The collector counted every request above as answered (the broken stream's error event
+    # is counted before it is sent, and a stream is captured only before its closing events)
+    # and captured none: no pending turn stored, no turn emitted.
+    text = httpx.get(rig.fragile + "/metrics", timeout=5).text
+    assert total(text, "nextstate_collector_requests_total", mode="stream", status="502") == 2
+    assert total(text, "nextstate_collector_requests_total", mode="plain", status="502") == 2
+    assert total(text, "nextstate_collector_pending_total", event="stored") == 0
+    assert total(text, "nextstate_collector_turns_total") == 0
     assert turns.of(sid) == []
     turns.close()
 

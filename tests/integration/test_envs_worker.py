@@ -129,10 +129,16 @@ def test_worker_killed_mid_episode_leaves_one_outcome(
             assert len(sessions) == 2 and outcome.session_id == sessions[1]  # a new session per attempt
             assert all(s.startswith(f"env:{job_id}.a") for s in sessions)
             queue = Queue(keys.envs_queue, connection=conn)
-            wait_until(lambda: (j := queue.fetch_job(rq_job_id(job_id))) is not None
-                       and j.get_status() == JobStatus.FINISHED, 10, "the job finished")
-            time.sleep(1.0)  # nothing runs it a third time
+            rq_id = rq_job_id(job_id)
+            # Finished, and nothing can run it a third time: it is neither queued nor in the
+            # started registry (where every running job is, and the only place rq's
+            # maintenance requeues from, and then only jobs still marked started).
+            wait_until(lambda: (j := queue.fetch_job(rq_id)) is not None
+                       and j.get_status() == JobStatus.FINISHED and rq_id not in queue.job_ids
+                       and rq_id not in queue.started_job_registry.get_job_ids(cleanup=False),
+                       10, "the job finished and nowhere to run again")  # fmt: skip
             assert len(outcomes(settings.redis.url, keys)) == 1
+            assert len(set(s.session_id for s in policy.requests)) == 2
             print(f"SIGKILL -> outcome of the rerun after {rerun_after:.1f}s (heartbeat 1 s, abandoned after "
                   "3 s, maintenance 1 s, episode ~2.5 s)")
         finally:

@@ -202,12 +202,17 @@ async def test_collector_stores_pending_turns_and_publishes_turns_only(acl: Acl)
                                          "response": {"role": "assistant", "content": f"a{i}"}})
                for i in range(2)]  # fmt: skip
     held = group_records(members, cache, ["g0", "g1"], now + 60)
-    await store.put_many([(h, x.record, x.lineage) for h, x in held], now + 60, now)
+    await store.put_many([(h, x.record, x.lineage, x.anchors) for h, x in held], now + 60, now)
     closed, _ = await store.lookup(["g0"], "g0", ["[]"])
     assert (closed.records[0] is not None, closed.unchosen) == (True, 1)
+    # Pairing anchors: registered with a pending turn (a script), then the turn they name
+    # closed by a request whose prefix rule found nothing (the close script reads them).
+    await store.put("h5", r1, now + 60, lineage, now, anchors=["an1", "an2"])
+    closed, _ = await store.lookup(["nope"], "nope", ["[]"], ["an0", "an2"])
+    assert (closed.via, closed.via_record, closed.via_hash, closed.via_lineage) == (2, r1, "h5", lineage)
     assert await bus.publish(K.TURNS, turn()) is not None
     admin = acl.bus(redis_acl.ADMIN).redis
-    assert await admin.xlen(k.turns) == 5
+    assert await admin.xlen(k.turns) == 6
     # A session's last turn and its stored Responses object, in one round trip; a pending
     # turn with one (and a server that lost the scripts loads them again).
     await admin.script_flush()
@@ -403,6 +408,10 @@ async def test_buffer_app_runs_as_the_buffer_user(acl: Acl) -> None:
     consumer.stop()
     await asyncio.wait_for(task, 10)
     assert len(archived) == await admin.xlen(k.batches) > 0
+    # What the archive holds on purpose, for `nextstate status` (write only).
+    await buffer.redis.hset(k.archive_state, "buffer-archive", json.dumps({"held_since": None}))
+    await denied(buffer.redis.hgetall(k.archive_state))
+    assert await admin.hgetall(k.archive_state) == {"buffer-archive": '{"held_since": null}'}
     assert await buffer.publish(K.TURNS, turn()) is not None  # POST /receive publishes imports
 
     ledger = Ledger(buffer, acl.settings("buffer"), 60)

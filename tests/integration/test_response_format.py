@@ -20,6 +20,7 @@ from typing import Any
 
 import openai
 import pytest
+import xgrammar  # noqa: F401  (the engine extra: constrained decoding fails without it, never skips)
 
 from shared.chat import ChatTemplate
 from shared.engine_client import SGLangClient
@@ -28,8 +29,6 @@ from shared.schemas import SamplingParams
 from tests.support.collector_harness import Turns, collector_process, engine_process, wait_ready
 
 pytestmark = pytest.mark.integration
-
-pytest.importorskip("xgrammar")
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

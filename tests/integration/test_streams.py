@@ -116,7 +116,10 @@ async def test_killed_consumer_entry_reclaimed_and_handled_once(bus: Bus, settin
     task = asyncio.create_task(c.run())
     await eventually(lambda: len(handled) == 1, what="reclaimed")
     await eventually(lambda: _zero(bus), what="acked")
-    await asyncio.sleep(1.0)  # several janitor passes: nothing is handled twice
+    # Three more janitor passes, each of which would have claimed the entry again had the
+    # ack not held: nothing is handled twice.
+    passes = c.janitor_passes
+    await eventually(lambda: c.janitor_passes >= passes + 3, what="three janitor passes after the ack")
     c.stop()
     await task
     assert await bus.redis.get(f"{prefix}:count:{msg.id}") == "1"
@@ -204,7 +207,12 @@ async def test_silent_consumer_past_max_deliveries_dead_lettered(bus: Bus) -> No
     entry = (await bus.redis.xreadgroup("judge", "ghost", {key: ">"}, count=1))[0][1][0][0]
     for _ in range(2):
         await bus.redis.xclaim(key, "judge", "ghost", 0, [entry])
-    await asyncio.sleep(0.4)  # past claim_idle_ms
+
+    async def idle_past_claim() -> bool:
+        (row,) = await bus.redis.xpending_range(key, "judge", "-", "+", 1)
+        return int(row["time_since_delivered"]) > 300  # claim_idle_ms
+
+    await eventually(idle_past_claim, what="the entry idle past claim_idle_ms")
 
     async def handle(msg: Ping, d: Delivery) -> None:
         raise AssertionError("must not be handled a fourth time")

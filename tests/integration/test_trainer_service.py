@@ -12,7 +12,9 @@ from __future__ import annotations
 import io
 import random
 import re
+import shutil
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,13 @@ import torch
 
 from services.trainer.checkpoint import STATE_TENSORS, state_key
 from shared import keys as K
-from shared.checkpoints import list_versions, manifest_key, read_latest, read_manifest
+from shared.checkpoints import (
+    download_checkpoint,
+    list_versions,
+    manifest_key,
+    read_latest,
+    read_manifest,
+)
 from shared.keys import Keys
 from shared.schemas import CheckpointPublished, TrainBatch, TrainSample
 from shared.settings import Settings
@@ -156,6 +164,7 @@ class Harness:
         self.keys = Keys(settings.redis.prefix)
         self.redis: Any = redis.Redis.from_url(settings.redis.url, decode_responses=True, socket_timeout=5)
         self.bucket = Bucket(settings.bucket)  # direct, not through the proxy
+        self.tmp = Path(tempfile.mkdtemp(prefix="ns-trainer-test-"))
 
     def start(self) -> ServiceProcess:
         proc = ServiceProcess("trainer", self.env).start()
@@ -182,6 +191,7 @@ class Harness:
     def close(self) -> None:
         self.redis.close()
         self.bucket.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def test_versions_announcements_and_crash_replay(
@@ -276,4 +286,68 @@ def test_sigterm_commits_the_partial_window_and_exits_cleanly(
     finally:
         if proc.proc is not None:
             sigkill(proc)
+        h.close()
+
+
+@pytest.mark.parametrize("layout", ["delta", "adapter"])
+def test_training_goes_on_beside_a_stuck_upload_and_a_kill_mid_upload_loses_nothing(
+    s3_env: dict[str, str], s3_settings: Settings, tiny_model: Path, proxy: HoldingProxy, layout: str,
+) -> None:  # fmt: skip
+    """v3's weights upload hangs: batch 4 is trained meanwhile (the commit does not stall training),
+    neither batch is acked. Killed there, the next trainer trains each of them once into new
+    versions — the first after the restart a full snapshot (deltas), or an adapter (LoRA) —
+    numbered above the half-uploaded v3."""
+    env = {**s3_env, "NEXTSTATE_TRAINER__KL_BETA": "0"}
+    if layout == "delta":
+        env |= {"NEXTSTATE_TRAINER__SNAPSHOT_EVERY": "4", "NEXTSTATE_TRAINER__LR": "1e-5"}
+        held = rb"PUT /[^ ]*/v000003/model\.safetensors\.xor\.zst"
+    else:
+        env |= {"NEXTSTATE_TRAINER__LORA": "true", "NEXTSTATE_TRAINER__LORA_RANK": "4"}
+        held = rb"PUT /[^ ]*/v000003/adapter_model\.safetensors"
+    h = Harness(env, s3_settings, tiny_model, proxy)
+    h.env.update({k: v for k, v in env.items() if k.startswith("NEXTSTATE_TRAINER__")})
+
+    def steps() -> float:
+        text = httpx.get(f"http://127.0.0.1:{h.port}/metrics", timeout=5).text
+        return float(re.search(r"^nextstate_trainer_steps_total (\S+)", text, re.M).group(1))  # type: ignore[union-attr]
+
+    procs: list[ServiceProcess] = []
+    try:
+        a = h.start()
+        procs.append(a)
+        for n in (1, 2):
+            h.publish(batch(n, h.run))
+        h.wait_latest(2, a)
+        proxy.hold(held)
+        h.publish(batch(3, h.run))
+        assert proxy.held.wait(60), a.logs()
+        h.publish(batch(4, h.run))
+        wait_until(lambda: steps() == 4.0, 60, f"batch 4 trained beside v3's upload\n{a.logs()}")
+        wait_until(lambda: h.pending() == 2, 30, "batches 3 and 4 delivered, unacked")
+        assert h.latest() == 2
+        sigkill(a)
+
+        b = h.start()
+        procs.append(b)
+        h.wait_latest(5, b)
+        wait_until(lambda: h.pending() == 0, 30, f"batches 3 and 4 acked\n{b.logs()}")
+        assert steps() == 2.0  # each replayed batch trained once
+        assert b.stop() == 0, b.logs()
+    finally:
+        for p in procs:
+            if p.proc is not None:
+                sigkill(p)
+    try:
+        assert list_versions(h.bucket, h.run) == [1, 2, 4, 5]
+        m = {v: read_manifest(h.bucket, manifest_key(h.run, v)) for v in (1, 2, 4, 5)}
+        assert [m[v].consumed_batch_ids for v in (1, 2, 4, 5)] == [["batch-1"], ["batch-2"], ["batch-3"], ["batch-4"]]
+        if layout == "delta":
+            # v2 builds on v1; v4, the first version of the new process, is whole; v5 builds on v4.
+            assert [[e.base_version for e in m[v].encoded] for v in (1, 2, 4, 5)] == [[], [1], [], [4]]
+            folder = download_checkpoint(h.bucket, m[5], h.tmp / "reader")
+            assert (folder / "model.safetensors").stat().st_size == next(
+                f.size for f in m[5].files if f.path == "model.safetensors")
+        else:
+            assert {m[v].format for v in m} == {"adapter"} and all(m[v].adapter for v in m)
+    finally:
         h.close()

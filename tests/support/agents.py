@@ -174,7 +174,9 @@ def write_codex_config(home: AgentHome, text: str) -> Path:
     return path
 
 
-CODEX_FLAGS = ["--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+# Headless: no git repository needed; otherwise exec's defaults (sandbox read-only, with the
+# bubblewrap Codex bundles; approval never), which let the model run `ls`.
+CODEX_FLAGS = ["--skip-git-repo-check"]
 
 
 def codex_exec(home: AgentHome, workdir: Path, prompt: str, timeout: float = 300,

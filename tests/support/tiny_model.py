@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% if tools %}"
@@ -70,11 +72,13 @@ def _corpus(n: int, seed: int) -> list[str]:
 
 
 def build_tokenizer(
-    path: Path, vocab_size: int = 512, seed: int = 0, special_markers: Sequence[str] = ()
-) -> None:
+    path: Path, vocab_size: int = 512, seed: int = 0, special_markers: Sequence[str] = (),
+    texts: Sequence[str] = (),
+) -> None:  # fmt: skip
     """`special_markers` (of MARKERS, or new ones such as "[TOOL_CALLS]") are added as
     special tokens, which a decode that skips special tokens drops, as Mistral's
-    `[TOOL_CALLS]` or Llama 3's `<|python_tag|>` are."""
+    `[TOOL_CALLS]` or Llama 3's `<|python_tag|>` are. `texts`: more training text for the
+    BPE (with a larger `vocab_size`, prompts like them take a real model's token count)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -87,7 +91,7 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(3000, seed), trainer)
+    tok.train_from_iterator([*_corpus(3000, seed), *texts], trainer)
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -109,34 +113,87 @@ def build_tokenizer(
 
 def build_tiny_model(
     path: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
-    special_markers: Sequence[str] = (),
+    special_markers: Sequence[str] = (), vocab_size: int = 512, texts: Sequence[str] = (),
+    max_position_embeddings: int = 2048, sliding_window: int | None = None,
 ) -> Path:  # fmt: skip
-    """Write a tokenizer + random Llama to `path` (an HF folder) and return it."""
+    """Write a tokenizer + random Llama to `path` (an HF folder) and return it; with
+    `sliding_window`, a Mistral (each token attends to the last `sliding_window` ones)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, seed=seed, special_markers=special_markers)
+    build_tokenizer(path, vocab_size, seed=seed, special_markers=special_markers, texts=texts)
     tok = AutoTokenizer.from_pretrained(str(path))
-    config = LlamaConfig(
+    kind: Any = LlamaConfig if sliding_window is None else MistralConfig
+    extra: dict[str, Any] = {} if sliding_window is None else {"sliding_window": sliding_window}
+    config = kind(
+        **extra,
         vocab_size=len(tok),
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = (LlamaForCausalLM if sliding_window is None else MistralForCausalLM)(config)
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(str(path))
+    return path
+
+
+def build_tiny_adapter(model: str | Path, path: str | Path, seed: int = 1, rank: int = 4, std: float = 0.3) -> Path:
+    """A PEFT LoRA adapter folder for `model` (every linear layer), with random A and B so
+    that it changes the model's outputs (a fresh adapter's B is zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    with warnings.catch_warnings():  # peft probes an attribute transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                                     task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    peft_model.save_pretrained(str(path))
+    return path
+
+
+def build_tiny_classifier(model: str | Path, path: str | Path, seed: int = 0) -> Path:
+    """A 2-label sequence classifier with `model`'s tokenizer and config (a tiny model
+    folder) and a random head blown up so that p spreads between texts: a reward model
+    for NEXTSTATE_JUDGE__TYPE=classifier. Returns `path`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(path)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    config = AutoConfig.from_pretrained(str(model), num_labels=2)
+    config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    torch.manual_seed(seed)
+    classifier = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        classifier.score.weight.mul_(50.0)
+    classifier.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
     return path

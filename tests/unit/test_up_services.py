@@ -117,6 +117,32 @@ async def test_gate_and_no_eval_flags(tmp_path: Path) -> None:
     assert "NEXTSTATE_GATE__ENABLED" not in bare["watcher"].env
 
 
+async def test_lora_trains_adapters_and_every_client_names_the_served_one(tmp_path: Path) -> None:
+    procs = await launched(tmp_path / "a", "--lora", "8")
+    t = procs["trainer"].env
+    assert (t["NEXTSTATE_TRAINER__LORA"], t["NEXTSTATE_TRAINER__LORA_RANK"], t["NEXTSTATE_TRAINER__LORA_ALPHA"],
+            t["NEXTSTATE_TRAINER__LORA_PUBLISH"], t["NEXTSTATE_TRAINER__LR"]) == ("true", "8", "16", "adapter", "1e-05")
+    assert procs["collector"].env["NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS"] == "true"
+    assert procs["judge-0"].env["NEXTSTATE_JUDGE__ENGINE_ADAPTERS"] == "true"
+    for engine in ("engine", "eval-engine"):
+        assert procs[engine].env["NEXTSTATE_ENGINE__MAX_LORA_RANK"] == "8"
+    assert (await launched(tmp_path / "b", "--lora", "8", "--lr", "3e-4"))["trainer"].env[
+        "NEXTSTATE_TRAINER__LR"] == "0.0003"  # --lr wins
+    plain = await launched(tmp_path / "c")
+    assert "NEXTSTATE_TRAINER__LORA" not in plain["trainer"].env
+    assert "NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS" not in plain["collector"].env
+
+
+def test_vllm_serves_adapters_with_lora() -> None:
+    from shared.vllm_engine import VLLMLaunch
+
+    argv, env = VLLMLaunch(python="python", threads=1, lora_rank=16).command(Path("/m"), 1)
+    assert argv[argv.index("--max-lora-rank") + 1] == "16" and "--enable-lora" in argv
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    argv, env = VLLMLaunch(python="python", threads=1).command(Path("/m"), 1)
+    assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+
+
 def test_consumer_name_placeholders(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket, "gethostname", lambda: "box")
     pid = os.getpid()
