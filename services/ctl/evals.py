@@ -2,7 +2,8 @@
 
     nextstate eval show [--json]                 per version: each suite's score with its
                                                  interval and n, promoted / refused / rolled
-                                                 back and why
+                                                 back / skipped and why (the paired test, its
+                                                 p-value, n and effect against the best)
     nextstate eval plot -o curve.png             the learning curve: each suite's score per
                                                  version, and the mean reward of the training
                                                  samples per policy version (`batches`)
@@ -113,8 +114,8 @@ async def collect(bus: Bus, run: str, extra: list[EvalResult]) -> dict[str, Any]
             results.append(EvalResult.from_json(data))
         except MalformedMessage:
             continue
-    versions: dict[int, dict[str, Any]] = defaultdict(lambda: {"suites": {}, "decision": None,
-                                                               "reasons": [], "decided_at": None})
+    versions: dict[int, dict[str, Any]] = defaultdict(lambda: {"suites": {}, "decision": None, "reasons": [],
+                                                               "tests": {}, "decided_at": None})
     for r in sorted((r for r in results if r.run == run), key=lambda r: r.created_at):
         suites = versions[r.version]["suites"]
         if _kept(suites.get(r.suite), r):
@@ -125,7 +126,7 @@ async def collect(bus: Bus, run: str, extra: list[EvalResult]) -> dict[str, Any]
             try:
                 rec = json.loads(raw)
                 _decide(versions, int(rec["version"]), rec.get("decision"), rec.get("reasons") or [],
-                        rec.get("decided_at"), None)
+                        rec.get("decided_at"), None, dict(rec.get("tests") or {}))
             except (ValueError, KeyError, TypeError):
                 continue
     for data in await stream_messages(bus, keys.promotions):
@@ -134,17 +135,18 @@ async def collect(bus: Bus, run: str, extra: list[EvalResult]) -> dict[str, Any]
         except MalformedMessage:
             continue
         if p.run == run:
-            _decide(versions, p.version, p.decision, p.reasons, p.created_at, p.serving)
+            _decide(versions, p.version, p.decision, p.reasons, p.created_at, p.serving,
+                    {suite: t.model_dump() for suite, t in p.tests.items()})
     return {"run": run, "gate": _gate_summary(gate_raw),
             "versions": [{"version": v, **versions[v]} for v in sorted(versions)]}
 
 
 def _decide(versions: dict[int, dict[str, Any]], version: int, decision: str | None, reasons: list[str],
-            at: float | None, serving: int | None) -> None:
+            at: float | None, serving: int | None, tests: dict[str, Any]) -> None:
     row = versions[version]
     if decision is None or (row["decided_at"] is not None and (at or 0) < row["decided_at"]):
         return
-    row.update(decision=decision, reasons=list(reasons), decided_at=at)
+    row.update(decision=decision, reasons=list(reasons), decided_at=at, tests=tests)
     if serving is not None:
         row["serving_after"] = serving
 
@@ -190,7 +192,8 @@ def render(data: dict[str, Any]) -> str:
     gate = data.get("gate")
     if gate:
         cfg = gate.get("config") or {}
-        rule = (f"suites {','.join(cfg.get('suites', []))}, delta {cfg.get('delta')}, drift <= "
+        test = f"paired test at alpha {cfg['alpha']}" if cfg.get("alpha") is not None else f"delta {cfg.get('delta')}"
+        rule = (f"suites {','.join(cfg.get('suites', []))}, {test}, drift <= "
                 f"{cfg.get('drift_max')}, wait {cfg.get('wait_s')}s") if cfg else "rule unknown"
         serving = "-" if gate.get("serving") is None else f"v{gate['serving']}"
         lines = [f"run {data['run']}   gate: serving {serving}, promoted "
@@ -238,7 +241,7 @@ async def rewards(bus: Bus, run: str) -> dict[int, float]:
 
 
 MARKERS = {"base": ("s", "tab:gray"), "promoted": ("o", "tab:green"), "refused": ("x", "tab:red"),
-           "rolled_back": ("v", "tab:orange"), "undecided": (".", "tab:gray")}
+           "rolled_back": ("v", "tab:orange"), "skipped": ("+", "tab:gray"), "undecided": (".", "tab:gray")}
 
 
 def draw(data: dict[str, Any], reward: dict[int, float], output: Path) -> None:

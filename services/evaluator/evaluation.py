@@ -1,14 +1,20 @@
 """One evaluation: a suite on a candidate version, served by this worker's evaluation engine.
 
 `Evaluator.evaluate(job_id, run, version, suite)`:
+0. with NEWEST_ONLY, a version whose evaluation had not begun when a newer one was
+   committed (the newest entry of `checkpoints`) is skipped (`Superseded`): no result, and
+   the gate records it as skipped once it judged a newer one. Begun means a result of it
+   is in the bucket or this worker has started it, so a version is never left half done
+   by one worker. Never for the base (v0) nor a job that asked for its own `samples`;
 1. install the candidate: read its manifest from the bucket, download into
    `local_dir/v000042` checking every sha256 (a complete local copy is reused), prune older
-   copies;
+   copies. Version 0 is the base model: the folder BASE_MODEL names, nothing downloaded;
 2. load it into the evaluation engine (`/update_weights_from_disk` with `weight_version =
    str(version)`, or an adapter version by name beside the base weights; confirmed through
    the engine's weight version), unless the engine already serves it;
 3. run the suite with an `EvalContext` (the engine's URL, the internal credential, the
-   tokenizer, the base model, the config — `samples` overridden when the job asks);
+   tokenizer, the base model, the config — `samples` the suite's (SUITE_SAMPLES, else
+   SAMPLES), overridden when the job asks);
 4. check the engine still serves the candidate (a score of other weights is no score);
 5. write the `EvalResult` (id = the job id) to the bucket at `result_key`, then publish it on
    `evals`. A rerun (a worker killed mid-job) writes the same key and publishes the same id:
@@ -46,9 +52,9 @@ from shared import keys as K
 from shared.auth import bearer
 from shared.engine_client import EngineClient
 from shared.engine_client.versions import serve_version
-from shared.errors import EngineError, StoreError
+from shared.errors import EngineError, MalformedMessage, NextstateError, SettingsError, StoreError
 from shared.evaljobs import MODEL_STATE_TTL_S, model_result_key, model_slug, result_key
-from shared.schemas import CheckpointManifest, EvalResult
+from shared.schemas import CheckpointManifest, CheckpointPublished, EvalResult
 from shared.store import AsyncBucket, Bucket
 from shared.streams import Bus
 
@@ -60,8 +66,23 @@ DURATION = Histogram(
     "nextstate_eval_duration_seconds", "One evaluation job, install to publish", ["suite"],
     buckets=(1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600),
 )
-JOBS = Counter("nextstate_eval_jobs_total", "Evaluation jobs by how they ended "
-               "(ok, failed, handed_back, gone: pruned before its turn)", ["suite", "outcome"])
+JOBS = Counter("nextstate_eval_jobs_total", "Evaluation jobs by how they ended (ok, failed, handed_back, "
+               "gone: pruned before its turn, skipped: a newer version came first)", ["suite", "outcome"])
+
+
+BASE = 0  # version 0: the base model, never published (the baseline every curve starts from)
+NEWEST_SCAN = 64  # `checkpoints` entries read back to find the newest version of a run
+
+
+class Superseded(NextstateError):
+    """A newer version was committed before this one's evaluation began: skipped."""
+
+
+def begun(bucket: Bucket, run: str, version: int) -> bool:
+    """(blocking) Whether any suite's result of `version` is in the bucket (a listing: the
+    evaluator's bucket role may list everything, read only checkpoints)."""
+    prefix = result_key(run, version, "x").rsplit("/", 1)[0] + "/"
+    return bool(bucket.list(prefix))
 
 
 def install(bucket: Bucket, root: Path, run: str, version: int) -> tuple[Path, CheckpointManifest]:
@@ -82,6 +103,7 @@ class Evaluator:
     resolve: Callable[[str], Suite]  # suite name -> suite (services.evaluator.suites.resolve)
     worker: str  # this worker's name, recorded in each result
     suites: dict[str, Suite] = field(default_factory=dict)
+    started: set[tuple[str, int]] = field(default_factory=set)  # (run, version) begun here
 
     @property
     def cfg(self) -> EvalConfig:
@@ -96,18 +118,29 @@ class Evaluator:
                        samples: int | None = None) -> EvalResult:
         started = time.monotonic()
         suite = self.suite(suite_name)
-        cfg = self.cfg if samples is None else self.cfg.model_copy(update={"samples": samples})
+        cfg = self.cfg.model_copy(update={"samples": samples or self.cfg.samples_for(suite_name)})
         extra = {"job": job_id, "version": version, "suite": suite_name}
-        folder, manifest = await self.bucket.run(install, self.bucket.sync, cfg.local_dir, run, version)
-        await self.bucket.run(ckpt.prune_local, cfg.local_dir, cfg.keep_local, protect=[version])
-        await self._load(folder, manifest)
+        if samples is None and version != BASE and self.cfg.newest_only:
+            newer = await self.newer_than(run, version)
+            if newer is not None:
+                raise Superseded(f"v{newer} was committed before the evaluation of v{version} began")
+        self.started.add((run, version))
+        if version == BASE:
+            if not cfg.base_model:
+                raise SettingsError("evaluating the base model (v0) needs NEXTSTATE_EVAL__BASE_MODEL: its HF folder")
+            folder, base_model, tokenizer = Path(cfg.base_model), cfg.base_model, cfg.tokenizer or cfg.base_model
+            await self._load_base(cfg.base_model)
+        else:
+            folder, manifest = await self.bucket.run(install, self.bucket.sync, cfg.local_dir, run, version)
+            await self.bucket.run(ckpt.prune_local, cfg.local_dir, cfg.keep_local, protect=[version])
+            await self._load(folder, manifest)
+            base_model = cfg.base_model or manifest.base_model
+            tokenizer = cfg.tokenizer or (str(folder.resolve()) if manifest.format == "full"
+                                          else base_model)  # an adapter has none
         ctx = EvalContext(
             run=run, version=version, engine_url=cfg.engine_url,
             headers=bearer(self.settings.internal.secret()),
-            tokenizer=cfg.tokenizer or (str(folder.resolve()) if manifest.format == "full"
-                                        else cfg.base_model or manifest.base_model),  # an adapter has none
-            base_model=cfg.base_model or manifest.base_model,
-            cfg=cfg, bus=self.bus,
+            tokenizer=tokenizer, base_model=base_model, cfg=cfg, bus=self.bus,
         )
         log.info("evaluating", extra=extra)
         outcome = await suite(ctx)
@@ -134,12 +167,50 @@ class Evaluator:
                                      "duration_s": result.duration_s})
         return result
 
+    async def newer_than(self, run: str, version: int) -> int | None:
+        """The newest version of `run` on `checkpoints` when it is above `version` and the
+        evaluation of `version` has not begun (here, or anywhere: a result in the bucket)."""
+        if (run, version) in self.started:
+            return None
+        rows = await self.bus.redis.xrevrange(self.bus.keys.checkpoints, count=NEWEST_SCAN)
+        newest = version
+        for _, f in rows:
+            try:
+                msg = CheckpointPublished.from_json(f.get(K.FIELD, ""))
+            except MalformedMessage:
+                continue
+            if msg.run == run:
+                newest = max(newest, msg.version)
+        if newest == version or await self.bucket.run(begun, self.bucket.sync, run, version):
+            return None
+        return newest
+
     def _engine_path(self, folder: Path) -> str:
         """An installed folder (under `local_dir`) as the evaluation engine sees it."""
         if self.cfg.engine_dir:
             rel = folder.resolve().relative_to(self.cfg.local_dir.resolve())
             return f"{self.cfg.engine_dir.rstrip('/')}/{rel.as_posix()}"
         return str(folder.resolve())
+
+    async def _load_base(self, path: str) -> None:
+        """Make the evaluation engine serve the base model (v0): its own weights when it
+        still has them; otherwise without the adapters of versions, or loaded again from
+        `path` (BASE_MODEL: the engine must see the model there, as it was started on it)."""
+        if await self.engine.weight_version() == str(BASE):
+            return
+        adapters = (await self.engine.model_info()).get("lora_adapters") or {}
+        for name in [str(a) for a in adapters if str(a).isdigit()]:
+            try:
+                await self.engine.unload_adapter(name)
+            except EngineError as exc:
+                log.warning("could not unload an adapter to score the base", extra={"adapter": name, "error": str(exc)})
+        if await self.engine.weight_version() == str(BASE):
+            return
+        ok, message = await self.engine.update_weights(path, str(BASE))
+        served = await self.engine.weight_version()
+        if not ok or served != str(BASE):
+            raise EngineError(f"the evaluation engine did not take the base model from {path}: {message} "
+                              f"(it serves weight_version {served!r})")
 
     async def _load(self, folder: Path, manifest: CheckpointManifest) -> None:
         """Make the evaluation engine serve `manifest`'s version (nothing to do if it already
