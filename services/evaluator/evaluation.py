@@ -270,7 +270,7 @@ class Evaluator:
                               model: str | None, source: tuple[str, int] | None) -> EvalResult:
         started = time.monotonic()
         suite = self.suite(suite_name)
-        cfg = self.cfg if samples is None else self.cfg.model_copy(update={"samples": samples})
+        cfg = self.cfg.model_copy(update={"samples": samples or self.cfg.samples_for(suite_name)})
         if source is not None:
             src_run, src_version = source
             root = cfg.local_dir / "runs" / model_slug(src_run)
