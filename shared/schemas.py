@@ -421,6 +421,10 @@ class EvalResult(Message):
     duration_s: float = 0.0
     engine: str = ""  # the evaluation engine that served the candidate
     worker: str = ""
+    # Set for a model outside the run's lineage (`nextstate eval run --model PATH` or
+    # `--version RUN:V`): its label. Such a result is stored beside the run's versions in
+    # the bucket and never published on `evals` (no gate sees it); `version` is then 0.
+    model: str | None = None
 
 
 def eval_job_id(run: str, version: int, suite: str) -> str:

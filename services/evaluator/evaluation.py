@@ -20,6 +20,15 @@
    `evals`. A rerun (a worker killed mid-job) writes the same key and publishes the same id:
    consumers deduplicate by id.
 
+`Evaluator.evaluate_model(...)` does the same for a model outside the run's lineage (`nextstate
+eval run --model PATH | --version RUN:V`): an HF folder the worker and its engine see, or
+another run's version installed from the bucket (under `local_dir/runs/<run>/`), served
+under the weight version `model:<job id>`; its suite runs as a run of its own (the job id:
+nothing keyed by run and version meets the run's), and the `EvalResult` (`model` = its label)
+goes to the bucket at `model_result_key` only — never on `evals`, so no gate decides on it.
+The job's state (running, retrying, done with the result, failed with the error) is kept in
+`keys.model_eval(job_id)` for the CLI waiting on it.
+
 Any failure raises; the job fails and rq retries it. Metrics: `nextstate_eval_score{suite}`
 and `nextstate_eval_version` (the last version evaluated), `nextstate_eval_duration_seconds
 {suite}`; `nextstate_eval_jobs_total{suite,outcome}` is counted by the runtime, which sees
@@ -44,7 +53,7 @@ from shared.auth import bearer
 from shared.engine_client import EngineClient
 from shared.engine_client.versions import serve_version
 from shared.errors import EngineError, MalformedMessage, NextstateError, SettingsError, StoreError
-from shared.evaljobs import result_key
+from shared.evaljobs import MODEL_STATE_TTL_S, model_result_key, model_slug, result_key
 from shared.schemas import CheckpointManifest, CheckpointPublished, EvalResult
 from shared.store import AsyncBucket, Bucket
 from shared.streams import Bus
@@ -177,9 +186,10 @@ class Evaluator:
         return newest
 
     def _engine_path(self, folder: Path) -> str:
-        """The installed folder as the evaluation engine sees it."""
+        """An installed folder (under `local_dir`) as the evaluation engine sees it."""
         if self.cfg.engine_dir:
-            return f"{self.cfg.engine_dir.rstrip('/')}/{folder.name}"
+            rel = folder.resolve().relative_to(self.cfg.local_dir.resolve())
+            return f"{self.cfg.engine_dir.rstrip('/')}/{rel.as_posix()}"
         return str(folder.resolve())
 
     async def _load_base(self, path: str) -> None:
@@ -216,3 +226,102 @@ class Evaluator:
         if served != str(version):
             raise EngineError(f"the evaluation engine reports weight_version {served!r} after loading v{version}")
         log.info("candidate loaded", extra={"version": version, "load_s": round(time.monotonic() - t0, 3)})
+
+    # -- a model outside the run -------------------------------------------------------------
+    async def evaluate_model(self, job_id: str, run: str, label: str, suite_name: str, samples: int | None,
+                             *, model: str | None, source: tuple[str, int] | None, attempt: int,
+                             last: bool) -> EvalResult:
+        """Evaluate `suite_name` on an HF folder (`model`) or another run's version (`source`),
+        keeping the job's state for the CLI; the result goes to the bucket only."""
+        state = self.bus.keys.model_eval(job_id)
+        await self._state(state, state="running", attempt=str(attempt), error="")
+        try:
+            result = await self._evaluate_model(job_id, run, label, suite_name, samples, model, source)
+        except Exception as exc:
+            await self._state(state, state="failed" if last else "retrying",
+                              error=f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        await self._state(state, state="done", result=result.to_json())
+        return result
+
+    async def _restore(self, before: dict[str, object], tag: str) -> None:
+        """Serve again the weights the engine served before a model's evaluation (best effort:
+        the next candidate is loaded in any case; a failure is logged)."""
+        path = before.get("model_path")
+        version = before.get("base_weight_version") or before.get("weight_version")
+        try:
+            if not path or await self.engine.weight_version() != tag:
+                return
+            ok, message = await self.engine.update_weights(str(path), str(version))
+            if not ok:
+                log.warning("could not serve the engine's weights again after a model's evaluation",
+                            extra={"path": path, "error": message[:300]})
+        except EngineError as exc:
+            log.warning("could not serve the engine's weights again after a model's evaluation",
+                        extra={"path": path, "error": str(exc)[:300]})
+
+    async def _state(self, key: str, **fields: str) -> None:
+        pipe = self.bus.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={**fields, "at": str(time.time())})
+        pipe.expire(key, MODEL_STATE_TTL_S)
+        await pipe.execute()
+
+    async def _evaluate_model(self, job_id: str, run: str, label: str, suite_name: str, samples: int | None,
+                              model: str | None, source: tuple[str, int] | None) -> EvalResult:
+        started = time.monotonic()
+        suite = self.suite(suite_name)
+        cfg = self.cfg.model_copy(update={"samples": samples or self.cfg.samples_for(suite_name)})
+        if source is not None:
+            src_run, src_version = source
+            root = cfg.local_dir / "runs" / model_slug(src_run)
+            folder, manifest = await self.bucket.run(install, self.bucket.sync, root, src_run, src_version)
+            if manifest.format != "full":
+                raise StoreError(f"{src_run} v{src_version} is a LoRA adapter version: only full versions of "
+                                 "another run are evaluated beside this one (adapter names are version "
+                                 "numbers, which this run's own versions use)")
+            await self.bucket.run(ckpt.prune_local, root, cfg.keep_local, protect=[src_version])
+            path, base_model = self._engine_path(folder), cfg.base_model or manifest.base_model
+            tokenizer = cfg.tokenizer or str(folder.resolve())
+        else:
+            folder = Path(model or "")
+            if not (folder / "config.json").is_file():
+                raise StoreError(f"{model} is not an HF model folder this evaluator can read (no config.json): "
+                                 "give a path the evaluator and its evaluation engine both see")
+            path, base_model = str(folder.resolve()), cfg.base_model or ""
+            own = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+            tokenizer = str(folder.resolve()) if own or not cfg.tokenizer else cfg.tokenizer
+        # A weight version of its own: never a version number, which this run's versions use.
+        # What the engine served before comes back afterwards: an adapter version of the run
+        # must meet its own base weights, not this model's.
+        tag = f"model:{job_id}"
+        before = await self.engine.model_info()
+        try:
+            if await self.engine.weight_version() != tag:
+                ok, message = await self.engine.update_weights(path, tag)
+                if not ok:
+                    raise EngineError(f"the evaluation engine refused {label}: {message} (it serves the "
+                                      "policy's architecture: a model of another shape needs an engine of its own)")
+                if (served := await self.engine.weight_version()) != tag:
+                    raise EngineError(f"the evaluation engine reports weight_version {served!r} after loading {label}")
+            ctx = EvalContext(run=job_id, version=0, engine_url=cfg.engine_url,
+                              headers=bearer(self.settings.internal.secret()), tokenizer=tokenizer,
+                              base_model=base_model, cfg=cfg, bus=self.bus)
+            log.info("evaluating a model", extra={"job": job_id, "model": label, "suite": suite_name})
+            outcome = await suite(ctx)
+            if (served := await self.engine.weight_version()) != tag:
+                raise EngineError(f"the evaluation engine switched to weight_version {served!r} while "
+                                  f"{suite_name} ran on {label}: another client loads weights into it")
+        finally:
+            await self._restore(before, tag)
+        duration = time.monotonic() - started
+        result = EvalResult(
+            id=job_id, run=run, version=0, suite=suite_name, score=outcome.score, model=label,
+            higher_is_better=outcome.higher_is_better, n=outcome.n,
+            ci_low=outcome.ci[0] if outcome.ci else None, ci_high=outcome.ci[1] if outcome.ci else None,
+            tasks=outcome.tasks, metrics=outcome.metrics, duration_s=round(duration, 3),
+            engine=cfg.engine_url, worker=self.worker,
+        )
+        await self.bucket.put_json(model_result_key(run, label, suite_name), result)
+        DURATION.labels(suite_name).observe(duration)
+        log.info("evaluated a model", extra={"job": job_id, "model": label, "score": result.score, "n": result.n})
+        return result

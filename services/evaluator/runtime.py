@@ -129,6 +129,29 @@ class Runtime(JobLoop):
             log.info("evaluation enqueued", extra={"job": job_id, "version": msg.version, "suite": suite})
 
     # -- jobs (called from the worker's thread) ----------------------------------------------------
+    def run_model_job(self, job_id: str, run: str, label: str, suite: str, samples: int | None, *,
+                      model: str | None, source: tuple[str, int] | None, attempt: int,
+                      last: bool) -> dict[str, Any]:
+        """A model outside the run, evaluated on the loop; counted as `run_job` counts."""
+        evaluator = self.evaluator
+        if evaluator is None:
+            raise RuntimeError("the evaluator's event loop is not running")
+        outcome = "failed"
+        try:
+            result = self.wait(
+                evaluator.evaluate_model(job_id, run, label, suite, samples, model=model, source=source,
+                                         attempt=attempt, last=last),
+                lambda: HandedBack(f"the worker is stopping: {job_id} goes back to the queue"))
+            outcome = "ok"
+            return {"id": result.id, "model": label, "score": result.score, "n": result.n}
+        except HandedBack:
+            outcome = "handed_back"
+            raise
+        finally:
+            if outcome == "failed" and self.stop_requested_at is not None:
+                outcome = "handed_back"
+            JOBS.labels(suite, outcome).inc()
+
     def run_job(self, job_id: str, run: str, version: int, suite: str, samples: int | None) -> dict[str, Any]:
         """Evaluate on the loop and wait; count how the job ended."""
         evaluator = self.evaluator
