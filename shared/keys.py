@@ -123,6 +123,16 @@ class Keys:
         """Set once a turn's sample is in a published batch: never batched twice."""
         return f"{self.prefix}:batched:{turn_id}"
 
+    # -- `nextstate import --watch` (services/ctl/import_watch.py) ---------------------
+    def import_offsets(self, watch: str) -> str:
+        """Hash file identity (`<device>:<inode>`) -> JSON {offset, line, head, path, at}: how
+        far each file of a watched directory was forwarded (committed once the buffer took it)."""
+        return f"{self.prefix}:import:{watch}:offsets"
+
+    def import_lock(self, watch: str) -> str:
+        """JSON {host, pid, token}, with a TTL the watcher renews: the one importer of a watch."""
+        return f"{self.prefix}:import:{watch}:lock"
+
     # -- policy versions ------------------------------------------------------------
     @property
     def policy_version(self) -> str:
@@ -159,6 +169,14 @@ class Keys:
         serving_path, backoff_s, error}: the processes `nextstate up` supervises, as its
         supervisor sees them."""
         return f"{self.prefix}:services"
+
+    @property
+    def archive_state(self) -> str:
+        """Hash archive consumer name -> JSON {roll_s, grace_s, held_since, uploaded_at,
+        last_key, at}: what each buffer's archiver holds unacknowledged on purpose (the
+        batches of its open roll wait for the roll's upload, up to roll_s), so that
+        `nextstate status` tells that hold from a stall."""
+        return f"{self.prefix}:archive-state"
 
     @property
     def buffer_counts(self) -> str:
@@ -236,6 +254,12 @@ class Keys:
     def eval_enqueued(self, job_id: str) -> str:
         """Set (NX) when an evaluation job id was enqueued: enqueuing twice runs it once."""
         return f"{self.prefix}:eval-enqueued:{job_id}"
+
+    def model_eval(self, job_id: str) -> str:
+        """Hash of one evaluation of a model outside the run (`nextstate eval run --model`),
+        written by the evaluator for the CLI that waits on it: `state` (running, retrying,
+        done, failed), `attempt`, `error`, `result` (the EvalResult JSON), `at`; with a TTL."""
+        return f"{self.prefix}:model-eval:{job_id}"
 
     @property
     def gate_state(self) -> str:

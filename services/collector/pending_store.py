@@ -22,7 +22,7 @@ system prompt and first message, an answer from a greedy policy): their turns sh
 hash, and nothing in a follow-up tells whose it is. The second such turn neither
 overwrites the first nor pairs: both stay pending, unpairable (the hash's lineage is
 "*"), and expire with no next state (a retry within one session replaces its turn, as
-before). The stream's bound applies as in shared/streams.py: over it, the turn is shed
+before; a first request retried without a session id or user is two sessions here). The stream's bound applies as in shared/streams.py: over it, the turn is shed
 and counted. Each method is one round trip; `put`/`put_many` and `publish` carry one more
 key written with them (a stored Responses object), so storing it costs no round trip of
 its own.

@@ -21,7 +21,8 @@
                                                 turn it continues (pairing.py); prefix is
                                                 the exact rule alone
     NEXTSTATE_COLLECTOR__PAIRING_MIN_ANCHOR_CHARS=32
-                                                an unscoped anchor with less text is not used
+                                                an anchor with fewer bytes of text and tool
+                                                calls is not used (unless scoped to a session id)
 
 Groups (`n > 1`): the n choices are captured as n turns of one group. A follow-up that
 continues choice k closes k's turn with its next state, and at the same moment its
@@ -116,7 +117,7 @@ class CollectorConfig(BaseModel):
     max_pairing_candidates: int = Field(64, ge=1, description="assistant messages checked per request")
     pairing: PairingRule = Field("anchors", description="prefix: the exact prefix rule only; anchors: "
                                  "then the anchors of the last response (services/collector/pairing.py)")
-    pairing_min_anchor_chars: int = Field(32, ge=0, description="characters of text and tool calls an "
+    pairing_min_anchor_chars: int = Field(32, ge=0, description="bytes of text and tool calls an "
                                           "unscoped anchor's messages need (fewer: not used)")
     responses_ttl_s: float = Field(3600.0, gt=0, description="stored Responses API objects live this long")
     group_unchosen: GroupUnchosen = "keep"  # the other choices of a group, once one is continued

@@ -23,6 +23,7 @@ COMMANDS = (
     "services.ctl.demo",
     "services.ctl.evals",
     "services.ctl.envs",
+    "services.ctl.compose",
 )
 
 

@@ -158,12 +158,43 @@ def write_weed_s3_config(path: Path, bucket: str, creds: dict[str, Credentials])
     return path
 
 
+def init_bucket(env: dict[str, str]) -> list[str]:
+    """`bucket-init` where there is no `mc` (the offline compose override): create the bucket
+    with the admin keys of NEXTSTATE_BUCKET__* (idempotent), then check that each role whose
+    secret is in MINIO_<ROLE>_SECRET can list it as `nextstate-<role>`. Returns what it did."""
+    from pydantic import SecretStr
+
+    from shared.settings import Settings
+    from shared.store import Bucket
+
+    admin = Settings().bucket
+    done = []
+    with Bucket(admin, retries=5) as bucket:
+        bucket.ensure()
+        done.append(f"bucket {admin.name} at {admin.endpoint}")
+    for role in ROLES:
+        secret = env.get(f"MINIO_{role.upper()}_SECRET")
+        if not secret:
+            continue
+        narrow = admin.model_copy(update={"access_key": f"nextstate-{role}", "secret_key": SecretStr(secret),
+                                          "region": REGION})
+        with Bucket(narrow, retries=2) as bucket:
+            bucket.ensure()  # a narrow role checks that it can list instead
+        done.append(f"role {role} can list it")
+    return done
+
+
 def main() -> int:
-    """`python -m services.ctl.bucket_roles minio DIR`: write the MinIO policy files."""
+    """`python -m services.ctl.bucket_roles minio DIR`: write the MinIO policy files.
+    `python -m services.ctl.bucket_roles init`: see init_bucket."""
     import sys
 
+    if sys.argv[1:] == ["init"]:
+        for line in init_bucket(dict(os.environ)):
+            print(f"bucket-init: {line}")
+        return 0
     if len(sys.argv) != 3 or sys.argv[1] != "minio":
-        print("usage: python -m services.ctl.bucket_roles minio DIR", file=sys.stderr)
+        print("usage: python -m services.ctl.bucket_roles minio DIR | init", file=sys.stderr)
         return 2
     out = Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""`nextstate import FILE.jsonl | --mock N`: feed conversation records to the buffer.
+"""`nextstate import FILE.jsonl | - | --watch DIR | --mock N [--continuous]`: feed
+conversation records to the buffer.
 
 Records are in the seeds' JSONL format (one object per line: `session_id`, `turns`
 with `type` main/side, `prompt`, `response`, optional `next_state` and `trainable`;
@@ -15,7 +16,13 @@ on this machine, the one the running `nextstate up` recorded in its secrets.json
 
 `--mock N` generates N synthetic conversations (1–5 main turns, some side turns,
 positive and negative next states, some final turns without one) to exercise the
-pipeline without an agent. Progress lines never print conversation text.
+pipeline without an agent; with `--continuous`, an endless stream of them, N per request
+at `--rate R` conversations a second (default 1), each session id new (`mock-<nonce>-<k>`),
+until SIGTERM or Ctrl-C (exit 0, with the totals). Progress lines never print conversation
+text.
+
+`--watch DIR` follows a directory of `.jsonl` files as they appear and grow, each line
+once across restarts, bad lines to dead letters: services/ctl/import_watch.py.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -51,6 +61,10 @@ def register(sub: Any) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", help="JSONL file, one record per line ('-': stdin)")
     p.add_argument("--mock", type=int, metavar="N", help="send N synthetic conversations instead")
+    p.add_argument("--continuous", action="store_true",
+                   help="with --mock N: keep sending, N conversations per request, until stopped")
+    p.add_argument("--rate", type=float, metavar="R",
+                   help="with --continuous: conversations per second (default 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed for --mock (default 0)")
     p.add_argument("--url", default=None,
                    help=f"the buffer's base URL (${URL_ENV}, else the running `nextstate up`'s, "
@@ -58,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=100, help="records per request (default 100)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
     p.add_argument("--retries", type=int, default=8, help="tries per chunk on 503 or no answer")
+    from services.ctl.import_watch import add_watch_arguments
+
+    add_watch_arguments(p)
 
 
 # -- sources ------------------------------------------------------------------------------
@@ -81,25 +98,44 @@ _BAD = ["that's wrong, try again", "no, I asked for something else", "error: fil
         "it still fails, please fix it"]
 
 
-def mock_records(n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
-    """N synthetic sessions: varied length, side turns, positive/negative/no next state."""
+def mock_records(n: int | None, seed: int = 0, prefix: str | None = None) -> Iterator[dict[str, Any]]:
+    """N synthetic sessions (endless when `n` is None): varied length, side turns,
+    positive/negative/no next state. Session ids `<prefix>-<i>` (default `mock-<seed>`)."""
     rng = random.Random(seed)
-    for i in range(n):
-        turns: list[dict[str, Any]] = []
-        mains = rng.randint(1, 5)
-        for j in range(mains):
-            if rng.random() < 0.2:
-                turns.append({"type": "side", "prompt": "title this chat", "response": "Chat"})
-            turn: dict[str, Any] = {
-                "type": "main",
-                "prompt": f"{rng.choice(_TASKS)} ({j + 1})",
-                "response": " ".join(rng.choice(_ANSWERS) for _ in range(rng.randint(1, 4))),
-            }
-            last = j == mains - 1
-            if not last or rng.random() < 0.5:
-                turn["next_state"] = rng.choice(_GOOD if rng.random() < 0.5 else _BAD)
-            turns.append(turn)
-        yield {"session_id": f"mock-{seed}-{i}", "turns": turns}
+    prefix = prefix or f"mock-{seed}"
+    i = 0
+    while n is None or i < n:
+        yield {"session_id": f"{prefix}-{i}", "turns": _mock_turns(rng)}
+        i += 1
+
+
+def _mock_turns(rng: random.Random) -> list[dict[str, Any]]:
+    turns: list[dict[str, Any]] = []
+    mains = rng.randint(1, 5)
+    for j in range(mains):
+        if rng.random() < 0.2:
+            turns.append({"type": "side", "prompt": "title this chat", "response": "Chat"})
+        turn: dict[str, Any] = {
+            "type": "main",
+            "prompt": f"{rng.choice(_TASKS)} ({j + 1})",
+            "response": " ".join(rng.choice(_ANSWERS) for _ in range(rng.randint(1, 4))),
+        }
+        last = j == mains - 1
+        if not last or rng.random() < 0.5:
+            turn["next_state"] = rng.choice(_GOOD if rng.random() < 0.5 else _BAD)
+        turns.append(turn)
+    return turns
+
+
+def paced(items: Iterable[list[tuple[int, Any]]], rate: float, stop: threading.Event) -> Iterator[list[tuple[int, Any]]]:
+    """Chunks no faster than `rate` records a second in all (a chunk waits for its turn);
+    ends when `stop` is set."""
+    due = time.monotonic()
+    for chunk in items:
+        if stop.wait(max(0.0, due - time.monotonic())):
+            return
+        yield chunk
+        due = max(due, time.monotonic() - 1.0) + len(chunk) / rate  # no burst after a stall
 
 
 def chunks(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
@@ -114,8 +150,29 @@ def chunks(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[i
 
 
 # -- sending ---------------------------------------------------------------------------------
+class Refused(NextstateError):
+    """The buffer refused a chunk for what it holds (HTTP 4xx but 401): nothing of it was
+    published. `status` and the buffer's `message`."""
+
+    def __init__(self, text: str, status: int, message: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.message = message
+
+
+class Unauthorized(NextstateError):
+    """The buffer refused the credential (HTTP 401)."""
+
+
+class Stopped(NextstateError):
+    """A stop was asked for while a chunk waited to be retried (it was not sent)."""
+
+
 def send_chunk(client: httpx.Client, url: str, chunk: list[tuple[int, Any]], retries: int,
-               where: str) -> dict[str, Any]:
+               where: str, stop: threading.Event | None = None) -> dict[str, Any]:
+    """POST one chunk to `/receive`; its result. Retries 503s and transport errors with
+    backoff (turn ids are content hashes: a retried chunk imports nothing twice); raises
+    `Refused` (400, 413...), `Unauthorized`, `Stopped`, or `NextstateError` after `retries`."""
     body = [record for _, record in chunk]
     delay = 0.5
     for attempt in range(1, retries + 1):
@@ -129,18 +186,22 @@ def send_chunk(client: httpx.Client, url: str, chunk: list[tuple[int, Any]], ret
                 return out
             message = _message(resp)
             if resp.status_code == 401:
-                raise NextstateError(
+                raise Unauthorized(
                     f"the buffer at {url} refused the credential (HTTP 401): {message}. Set "
                     "NEXTSTATE_INTERNAL__TOKEN to the stack's internal token (`nextstate up` keeps "
                     "it in <home>/up/<run>/secrets.json)")
             if resp.status_code != 503:
                 lines = f"{where} {chunk[0][0]}-{chunk[-1][0]}"
-                raise NextstateError(f"the buffer refused {lines} (HTTP {resp.status_code}): {message}")
+                raise Refused(f"the buffer refused {lines} (HTTP {resp.status_code}): {message}",
+                              resp.status_code, message)
             problem = message
         if attempt == retries:
             raise NextstateError(f"giving up after {retries} tries: {problem}")
         print(f"nextstate import: {problem}; retrying in {delay:.1f}s", file=sys.stderr)
-        time.sleep(delay)
+        if stop is not None and stop.wait(delay):
+            raise Stopped("stopped while waiting to retry")
+        if stop is None:
+            time.sleep(delay)
         delay = min(delay * 2, 10.0)
     raise AssertionError("unreachable")
 
@@ -161,16 +222,59 @@ def internal_token(url: str) -> str | None:
     return token
 
 
-def run_import(args: argparse.Namespace) -> int:
-    if (args.file is None) == (args.mock is None):
-        raise NextstateError("give a JSONL file or --mock N (one of the two)")
+def buffer_url(args: argparse.Namespace) -> str:
+    return endpoint(args.url, URL_ENV, "buffer", DEFAULT_URL).rstrip("/")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    sources = [x for x in (args.file, args.mock, args.watch) if x is not None]
+    if len(sources) != 1:
+        raise NextstateError("give a JSONL file, --watch DIR or --mock N (one of the three)")
     if args.chunk < 1:
         raise NextstateError("--chunk must be at least 1")
-    url = endpoint(args.url, URL_ENV, "buffer", DEFAULT_URL).rstrip("/")
+    if args.continuous and args.mock is None:
+        raise NextstateError("--continuous goes with --mock N (N conversations per request)")
+    if args.rate is not None and not args.continuous:
+        raise NextstateError("--rate goes with --mock N --continuous")
+    if args.rate is not None and args.rate <= 0:
+        raise NextstateError("--rate must be more than 0 conversations a second")
+    if args.mock is not None and args.mock < 1:
+        raise NextstateError("--mock N needs N of at least 1")
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (the first of either; a second SIGINT interrupts)."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def run_import(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    if args.watch is not None:
+        from services.ctl.import_watch import run_watch
+
+        return run_watch(args)
+    url = buffer_url(args)
     totals = {"records": 0, "published": 0, "side": 0, "untrainable": 0}
     handle = None
-    if args.mock is not None:
-        items: Iterable[tuple[int, Any]] = enumerate(mock_records(args.mock, args.seed), start=1)
+    stop: threading.Event | None = None
+    if args.mock is not None and args.continuous:
+        stop = stop_on_signals()
+        prefix = f"mock-{int(time.time()):x}{secrets.token_hex(3)}"
+        items: Iterable[tuple[int, Any]] = enumerate(mock_records(None, args.seed, prefix), start=1)
+        where = "records"
+        print(f"nextstate import: {args.mock} conversations per request at {args.rate or 1.0:g}/s, "
+              f"sessions {prefix}-*, until stopped", file=sys.stderr)
+    elif args.mock is not None:
+        items = enumerate(mock_records(args.mock, args.seed), start=1)
         where = "records"
     elif args.file == "-":
         items, where = read_jsonl(sys.stdin), "lines"
@@ -182,9 +286,16 @@ def run_import(args: argparse.Namespace) -> int:
             raise NextstateError(f"cannot read {path}: {exc.strerror}") from None
         items, where = read_jsonl(handle), "lines"
     try:
+        size = args.mock if stop is not None else args.chunk
+        batches = chunks(items, size)
+        if stop is not None:
+            batches = paced(batches, args.rate or 1.0, stop)
         with httpx.Client(timeout=args.timeout, headers=bearer(internal_token(url))) as client:
-            for chunk in chunks(items, args.chunk):
-                result = send_chunk(client, url, chunk, args.retries, where)
+            for chunk in batches:
+                try:
+                    result = send_chunk(client, url, chunk, args.retries, where, stop)
+                except Stopped:
+                    break
                 for k in totals:
                     totals[k] += int(result.get(k, 0))
                 print(f"records {totals['records']}  turns published {totals['published']}  "

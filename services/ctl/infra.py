@@ -128,13 +128,16 @@ def weed_argv(workdir: Path, ports: dict[str, int], bucket: str, s3_config: Path
     Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in its environment,
     or, with `s3_config`, from that identities file (services/ctl/bucket_roles.py); then
     the filer's, master's and volume server's HTTP APIs are off too (only S3 is served;
-    run it in a folder whose security.toml locks the gRPC ports).
+    run it in a folder whose security.toml locks the gRPC ports). Telemetry is off: by
+    default weed's master reports to SeaweedFS's servers, and nothing of ours may try to
+    reach outside the machine.
     """
     closed = ["-disableHttp", f"-s3.config={s3_config}"] if s3_config is not None else []
     return [
         weed_binary(), "mini", f"-dir={workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-bucket={bucket}", *(f"-{name}.port={ports[name]}" for name in WEED_SERVERS),
-        "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", *closed,
+        "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-master.telemetry=false", *closed,
     ]
 
 

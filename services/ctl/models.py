@@ -5,7 +5,9 @@ its tokenizer and chat template) but cannot save a GGUF-loaded model, so we buil
 fresh model from its config, load the dequantized state dict into it, and save a
 safetensors folder the engine and trainer load like any other. The result is cached
 (`~/.cache/nextstate/models/…`, or `$NEXTSTATE_HOME/models/…`) and written through a
-staging folder, so an interrupted conversion never leaves a half folder behind.
+staging folder, so an interrupted conversion never leaves a half folder behind. The
+folder is world-readable (0755 folders, 0644 files): containers read it as their own user
+(uid 10001 in our images) when it is mounted (`docker compose`, `nextstate compose init`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def ensure_default_model(dest: Path | None = None) -> Path:
     """The SmolLM2 HF folder, converting it from the wheel's GGUF on first use."""
     dest = dest or default_model_dir()
     if is_model_folder(dest):
+        make_readable(dest)  # folders converted before it was readable
         return dest
     src = smollm2_dir()
     log.info("converting %s from GGUF to an HF folder (once)", SMOLLM2)
@@ -74,6 +77,7 @@ def ensure_default_model(dest: Path | None = None) -> Path:
     try:
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
+        make_readable(staging)  # mkdtemp makes it 0700; keep no owner-only file either
         if dest.exists():
             shutil.rmtree(dest)
         staging.rename(dest)
@@ -81,3 +85,28 @@ def ensure_default_model(dest: Path | None = None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("default model ready at %s", dest)
     return dest
+
+
+def make_readable(folder: Path) -> Path:
+    """Give every user read access to `folder` (folders 0755, files 0644, whatever the
+    umask or mkdtemp made them): a container's own user reads it when it is mounted.
+    Only what this user owns is changed; the rest must already be readable."""
+    for path in (folder, *folder.rglob("*")):
+        if path.is_symlink() or path.stat().st_uid != os.getuid():
+            continue
+        mode = path.stat().st_mode
+        want = mode | (0o755 if path.is_dir() else 0o644)
+        if want != mode:
+            path.chmod(want & 0o7777)
+    return folder
+
+
+def unreadable(folder: Path) -> list[Path]:
+    """What in `folder` a user other than its owner (a container's) cannot read."""
+    bad = []
+    for path in (folder, *folder.rglob("*")):
+        mode = path.stat().st_mode  # follows symlinks: the target is what gets read
+        need = 0o005 if path.is_dir() else 0o004
+        if mode & need != need:
+            bad.append(path)
+    return bad

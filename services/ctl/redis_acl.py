@@ -37,6 +37,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | ledger: EVALSHA HSETNX HINCRBY HEXISTS HGETALL SADD SCARD SISMEMBER EXPIRE SET GET DEL EXISTS ZADD ZSCORE ZREM ZRANGE | `P:session:*:samples`, `P:session:*:decisions`, `P:session:*:settled`, `P:buffer-counts`, `P:force-candidates`, `P:force-candidate:*`, `P:batched:*` |
 | | the run owning the prefix: SET GET | `P:run` |
 | | staleness: GET | `P:trainer-version` (read only) |
+| | what the archive holds on purpose (for `nextstate status`): HSET HDEL | `P:archive-state` (write only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | trainer | consume group `trainer` (as the judge's) | `P:batches`, `P:done:trainer:*` |
 | | announce a version: XADD / SET | `P:checkpoints` / `P:trainer-version` (write only) |
@@ -53,6 +54,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | a rollback's rebase request: GET SET | `P:lineage-base` |
 | | unreadable results: XADD | `P:dead` (write only) |
 | evaluator | consume group `evaluator` (as the judge's) | `P:checkpoints`, `P:done:evaluator:*` |
+| | the state of a model's evaluation (`eval run --model`), for the CLI waiting on it: HSET EXPIRE | `P:model-eval:*` (write only) |
 | | enqueue evaluations (below), publish results: XADD | `P:evals` (write only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | | its rq worker on queue `Q` = `P-eval` (below) | `rq:…` of that queue only |
@@ -265,6 +267,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
                       k.episode_group("*"), k.chat_groups, k.chat_group("*"))),
             Grant(("set", "get"), _rw(k.run_owner)),
             Grant(("get",), _r(k.trainer_version)),
+            Grant(("hset", "hdel"), _w(k.archive_state)),
             _dead(k),
         ]
     if role == "trainer":
@@ -300,6 +303,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
             *enqueue_episodes(k),
             Grant(("scard",), _r(f"rq:workers:{k.envs_queue}")),
             Grant(("hgetall", "hlen"), _r(k.eval_episodes("*"))),
+            Grant(("hset", "expire"), _w(k.model_eval("*"))),  # `eval run --model`: its job's state
         ]
     if role == "envs":
         out = k.outcomes

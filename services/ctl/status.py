@@ -14,6 +14,11 @@ their shared window and the reward-collapse alarm (services/judge/collapse.py); 
 under `nextstate up`, each supervised process (restarts, crash loops).
 A stage is named *stalled* when it has work (lag or pending) and nothing was acked
 over the sampling window (`--window`, default 2 s): its backlog stays put or grows.
+The archive (`batches`/`archive`) is the exception it must know: it acknowledges a
+batch only once the object holding it is uploaded, so it holds a roll's batches for up
+to its `roll_s` on purpose (buffer/archive.py). Its consumers say what they hold
+(`archive-state`); the group is shown *holding* (with when the roll uploads) while that
+hold is younger than `roll_s` + its grace, and stalled only past that.
 """
 
 from __future__ import annotations
@@ -61,8 +66,9 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     pipe.xrevrange(keys.promotions, count=1)
     pipe.xrevrange(keys.evals, count=50)
     pipe.hgetall(keys.reward_alarm)
+    pipe.hgetall(keys.archive_state)
     (watcher, refused, services, counts, parked, episodes, groups, waiting, experience, gate,
-     promos, evals, alarm) = await pipe.execute()
+     promos, evals, alarm, archive) = await pipe.execute()
     return {
         "prefix": keys.prefix,
         "streams": streams,
@@ -75,6 +81,7 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "buffer": {"decisions": {k: int(v) for k, v in sorted(counts.items())},
                    "final_turns_waiting": int(parked), "episodes_waiting": int(episodes),
                    "chat_groups_waiting": int(groups)},
+        "archive": {name: _json(r) for name, r in sorted(archive.items())},
         "turns_waiting_next_state": int(waiting),
         "sessions_waiting_experience": int(experience),
         "gate": gate_snapshot(dict(zip(GATE_FIELDS, gate, strict=True)), promos, evals, bus.settings.run),
@@ -146,8 +153,30 @@ def _acked(group: dict[str, Any]) -> int:
     return (int(read) if read is not None else 0) - int(group["pending"])
 
 
-def mark_stalls(before: dict[str, Any], after: dict[str, Any], window_s: float) -> None:
-    """Flag each group that has a backlog yet acknowledged nothing between the samples."""
+def archive_hold(group: dict[str, Any], states: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """What the archive group's consumers hold on purpose: {"upload_in_s"} while every
+    consumer holding entries reports a hold younger than its roll_s + grace_s,
+    {"overdue_s"} once one is older; None when one reports nothing (an older buffer)."""
+    dues: list[float] = []
+    for c in group["consumers"]:
+        if c["pending"] == 0:
+            continue
+        st = states.get(c["name"])
+        since = st.get("held_since") if isinstance(st, dict) else None
+        if not isinstance(st, dict) or not isinstance(since, (int, float)):
+            return None
+        roll_s, grace_s = float(st.get("roll_s") or 0), float(st.get("grace_s") or 0)
+        if now - since > roll_s + grace_s:
+            return {"overdue_s": round(now - since - roll_s, 1)}
+        dues.append(max(0.0, since + roll_s - now))
+    return {"upload_in_s": round(min(dues), 1)} if dues else None
+
+
+def mark_stalls(before: dict[str, Any], after: dict[str, Any], window_s: float,
+                now: float | None = None) -> None:  # fmt: skip
+    """Flag each group that has a backlog yet acknowledged nothing between the samples
+    (the archive: unless it holds its roll on purpose, `archive_hold`)."""
+    now = time.time() if now is None else now
     prev = {(s["stream"], g["name"]): g for s in before["streams"] for g in s["groups"]}
     stalled = []
     for s in after["streams"]:
@@ -157,6 +186,11 @@ def mark_stalls(before: dict[str, Any], after: dict[str, Any], window_s: float) 
             acked = None if p is None else _acked(g) - _acked(p)
             g["acked_in_window"] = acked
             g["stalled"] = bool(p is not None and backlog > 0 and acked == 0)
+            if g["stalled"] and (s["stream"], g["name"]) == (K.BATCHES, K.GROUP_ARCHIVE):
+                hold = archive_hold(g, after.get("archive") or {}, now)
+                if hold is not None:
+                    g["archive_hold"] = hold
+                    g["stalled"] = "overdue_s" in hold
             if g["stalled"]:
                 stalled.append(f"{s['stream']}/{g['name']}")
     after["window_s"] = window_s
@@ -264,6 +298,12 @@ def render(snap: dict[str, Any]) -> str:
         lines.append(f"{s['stream']:<12} length {s['length']:>7}{shed}")
         for g in s["groups"]:
             flag = "  STALLED: backlog and no acks" if g.get("stalled") else ""
+            hold = g.get("archive_hold") or {}
+            if "upload_in_s" in hold:
+                flag = f"  holding the archive roll (uploads in {hold['upload_in_s']:.0f}s)"
+            elif "overdue_s" in hold:
+                flag = (f"  STALLED: the archive roll is {hold['overdue_s']:.0f}s overdue "
+                        "(uploads failing? the buffer's log says)")  # fmt: skip
             rate = ""
             if g.get("acked_in_window") is not None and snap.get("window_s"):
                 rate = f"  acked {g['acked_in_window'] / snap['window_s']:.1f}/s"

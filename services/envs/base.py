@@ -100,7 +100,7 @@ def function_tool(name: str, description: str, params: dict[str, tuple[str | lis
     }
 
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
+JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
     "object": (dict,), "array": (list,),
 }
@@ -128,7 +128,7 @@ def check_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
     for key, value in arguments.items():
         kind = props.get(key, {}).get("type")
         kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
-        allowed = tuple(t for k in kinds for t in _JSON_TYPES.get(k, ()))
+        allowed = tuple(t for k in kinds for t in JSON_TYPES.get(k, ()))
         if not allowed:
             continue
         if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):

@@ -168,7 +168,7 @@ class Sandbox:
         """The uid commands run as."""
         return self._lease.uid if self._lease is not None else os.geteuid()
 
-    def run(self, argv: list[str], *, stdin: str | None = None, limits: SandboxLimits | None = None,
+    def run(self, argv: list[str], *, stdin: str | bytes | None = None, limits: SandboxLimits | None = None,
             env: dict[str, str] | None = None) -> ExecResult:
         """Run `argv` in the sandbox and wait for it (at most wall_seconds, then it is killed)."""
         ex = self._start(argv, stdin, limits or self.limits, env)
@@ -191,7 +191,7 @@ class Sandbox:
             raise
         return self._finished(argv, ex.result())
 
-    async def arun(self, argv: list[str], *, stdin: str | None = None, limits: SandboxLimits | None = None,
+    async def arun(self, argv: list[str], *, stdin: str | bytes | None = None, limits: SandboxLimits | None = None,
                    env: dict[str, str] | None = None) -> ExecResult:
         """`run` on the event loop (its readers, no thread); cancelling it kills the command."""
         ex = self._start(argv, stdin, limits or self.limits, env)
@@ -233,7 +233,7 @@ class Sandbox:
         for fd, writer in ex.open_fds():
             (loop.remove_writer if writer else loop.remove_reader)(fd)
 
-    def _start(self, argv: list[str], stdin: str | None, limits: SandboxLimits,
+    def _start(self, argv: list[str], stdin: str | bytes | None, limits: SandboxLimits,
                env: dict[str, str] | None) -> Execution | ExecResult:
         if self._closed:
             raise SandboxError(f"sandbox {self.path} is closed")
@@ -270,10 +270,10 @@ class Sandbox:
             raise SandboxError(f"the child of {self.path} could not confine itself ({e}); "
                                f"the probe said {self._caps.as_dict()}") from e
         sweep = partial(confine.sweep, self._lease.uid) if self._lease is not None else None
-        return Execution(proc, limits, stdin.encode() if stdin is not None else None, started, sweep,
+        return Execution(proc, limits, _encoded(stdin), started, sweep,
                          pid_namespace=plan.pids)
 
-    def _start_container(self, argv: list[str], stdin: str | None, limits: SandboxLimits,
+    def _start_container(self, argv: list[str], stdin: str | bytes | None, limits: SandboxLimits,
                          env: dict[str, str] | None) -> Execution:
         cfg = self.config.docker
         name = container.container_name()
@@ -295,7 +295,7 @@ class Sandbox:
                 self._removals.append(removal)
             self._containers_killed = True
 
-        return Execution(proc, limits, stdin.encode() if stdin is not None else None, started, None,
+        return Execution(proc, limits, _encoded(stdin), started, None,
                          pid_namespace=False, on_kill=killed)
 
     def _finished(self, argv: list[str], result: ExecResult) -> ExecResult:
@@ -340,6 +340,10 @@ class Sandbox:
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         await asyncio.to_thread(self.close)
+
+
+def _encoded(stdin: str | bytes | None) -> bytes | None:
+    return stdin.encode() if isinstance(stdin, str) else stdin
 
 
 def _logged(argv: list[str], result: ExecResult) -> ExecResult:

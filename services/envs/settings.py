@@ -22,6 +22,12 @@
                                                  episodes against (the evaluator's `env:<name>`
                                                  suites name theirs in the job); the internal
                                                  credential is sent to them, to no other
+    NEXTSTATE_ENVS__SWE_BENCH_PATH=              `swe`: SWE-bench instances (a .json list, a .jsonl file, or a
+                                                 folder of them) instead of the shipped tasks (swebench.py)
+    NEXTSTATE_ENVS__SWE_BENCH_REPOS=             the instances' repositories: one git clone each, named
+                                                 owner__name (or owner/name); nothing is downloaded
+    NEXTSTATE_ENVS__TOOLS_CONFIG=                `toolcall`: its tools (and tasks) from this JSON file
+                                                 (tools_config.py) instead of the built-in ones
     NEXTSTATE_ENVS__CONSUMER_NAME=               stable name of this worker ({hostname}, {pid} filled in;
                                                  default envs-<host>-<pid>); the Outcome's `worker`
     NEXTSTATE_ENVS__HOST=127.0.0.1  NEXTSTATE_ENVS__PORT=9106   (/healthz /readyz /metrics)
@@ -39,10 +45,12 @@ whole seconds), on any worker idle then:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from services.envs.sandbox import SandboxConfig
-from shared.settings import Settings
+from shared.settings import Settings, load_settings
 
 
 class EnvsConfig(BaseModel):
@@ -58,6 +66,24 @@ class EnvsConfig(BaseModel):
     retries: int = Field(2, ge=0)
     sandbox: SandboxConfig = SandboxConfig()
     eval_engines: list[str] = ["http://127.0.0.1:30001"]
+    # -- where the built-in environments' tasks and tools come from ------------------------
+    swe_bench_path: Path | None = Field(
+        None, description="swe: SWE-bench-format instances (.json list, .jsonl, or a folder of them) "
+        "instead of the shipped tasks")
+    swe_bench_repos: Path | None = Field(
+        None, description="swe: a folder with one git clone per instance repository, named owner__name "
+        "(or owner/name); nothing is downloaded at run time")
+    swe_bench_heldout_share: float = Field(
+        0.2, ge=0, le=1, description="swe: instances without a `split` field that are held out "
+        "(chosen by a hash of the instance id)")
+    swe_bench_test_timeout_s: float = Field(
+        300.0, gt=0, description="swe: one test run of an instance (the run_tests tool, the grading) "
+        "may take this long, wall clock and CPU")
+    swe_bench_memory_mb: int = Field(
+        4096, ge=64, description="swe: address space of each command of an instance's episode")
+    tools_config: Path | None = Field(
+        None, description="toolcall: a JSON file of tools (name, description, parameters, how each "
+        "answers) and optionally tasks, instead of the built-in python and submit")
     consumer_name: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(9106, ge=0, le=65535)
@@ -84,3 +110,24 @@ class EnvsConfig(BaseModel):
 
 class EnvsSettings(Settings):
     envs: EnvsConfig = EnvsConfig()
+
+
+_current: EnvsConfig | None = None
+
+
+def configure(cfg: EnvsConfig | None) -> None:
+    """The configuration environments read (`current()`): the worker sets the one it
+    started with; None: read the environment again on the next `current()`."""
+    global _current
+    _current = cfg
+
+
+def current() -> EnvsConfig:
+    """The environments' configuration in this process. Environments are built without
+    arguments (`load_environment`) and list their tasks from a class method, so the sources
+    of their tasks and tools (SWE-bench instances, a tools config) are read from here: the
+    worker's own settings, else `NEXTSTATE_ENVS__*` (e.g. a script that lists tasks)."""
+    global _current
+    if _current is None:
+        _current = load_settings(EnvsSettings).envs
+    return _current

@@ -10,6 +10,10 @@ The model may run Python (`python`, a fresh interpreter in the sandbox per call)
 with `submit(answer)`, or by stating the answer in its last message (`\\boxed{…}`, then
 "answer: …", then the last number in it). Reward 1 when that number equals the answer
 (relative and absolute tolerance 1e-6), else 0.
+
+With NEXTSTATE_ENVS__TOOLS_CONFIG set, the tools offered (and, if the file has them, the
+tasks) are the file's (tools_config.py): its own tools answer as the file says, `python`
+and `submit` only when it names them; a task's text answer is compared as text.
 """
 
 from __future__ import annotations
@@ -21,8 +25,22 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from services.envs.base import Environment, Message, Split, Task, Verdict, function_tool, opening
+from services.envs import tools_config
+from services.envs.base import (
+    Environment,
+    Message,
+    Split,
+    Task,
+    ToolError,
+    Verdict,
+    check_arguments,
+    error,
+    function_tool,
+    opening,
+    pick,
+)
 from services.envs.sandbox import Sandbox, SandboxError
+from services.envs.settings import current
 
 DEFAULT_N = 200  # tasks when `n` is not given: the generator has no end
 TOLERANCE = 1e-6
@@ -31,6 +49,10 @@ SYSTEM = (
     "You solve word problems exactly. You have a Python interpreter: call `python` with code "
     "that prints what you need (each call is a fresh interpreter; print your results). When you "
     "know the answer, call `submit` with the number alone, no units."
+)
+CONFIG_SYSTEM = (
+    "You answer the user's question using the tools you are given. When you know the answer, "
+    "{how}"
 )
 
 Problem = tuple[str, Fraction]  # (text, exact answer)
@@ -180,6 +202,28 @@ def _text(message: Message) -> str:
     return content if isinstance(content, str) else ""
 
 
+BUILTIN_TOOLS = {
+    "python": function_tool("python", "Run Python 3 code in a fresh interpreter; returns what it "
+                            "prints (stdout, then stderr).", {"code": ("string", "the program")}),
+    "submit": function_tool("submit", "Submit your final answer (a number, no units). Ends the task.",
+                            {"answer": (["string", "number"], "the final answer")}),
+}
+
+
+def configured() -> tools_config.ToolsConfig | None:
+    """The tools config of this process (NEXTSTATE_ENVS__TOOLS_CONFIG), or None."""
+    path = current().tools_config
+    return tools_config.load(path) if path is not None else None
+
+
+def config_task(t: tools_config.ConfigTask, index: int) -> Task:
+    answer = t.answer
+    data = {"answer_text": answer, "kind": "config"} if isinstance(answer, str) else \
+        {"answer": _decimal_or_float(Fraction(str(answer))), "kind": "config"}
+    return Task(id=t.id or f"toolcall-{t.split}-{index}", env="toolcall", prompt=t.prompt, data=data,
+                split=t.split)
+
+
 class ToolCallEnv(Environment):
     name = "toolcall"
 
@@ -187,24 +231,40 @@ class ToolCallEnv(Environment):
         self.task: Task | None = None
         self.sandbox: Sandbox | None = None
         self.submitted: str | None = None
+        self.config = configured()
 
     @classmethod
     def tasks(cls, split: Split, n: int | None = None, seed: int = 0) -> list[Task]:
+        config = configured()
+        if config is not None and config.tasks is not None:
+            tasks = [config_task(t, i) for i, t in enumerate(config.tasks)]
+            return pick([t for t in tasks if t.split == split], n, seed)
         return [make_task(split, seed, i) for i in range(DEFAULT_N if n is None else n)]
 
     def tools(self) -> list[Message]:
-        return [
-            function_tool("python", "Run Python 3 code in a fresh interpreter; returns what it "
-                          "prints (stdout, then stderr).", {"code": ("string", "the program")}),
-            function_tool("submit", "Submit your final answer (a number, no units). Ends the task.",
-                          {"answer": (["string", "number"], "the final answer")}),
-        ]
+        if self.config is None:
+            return list(BUILTIN_TOOLS.values())
+        return [BUILTIN_TOOLS[t.builtin] if t.builtin is not None else t.spec() for t in self.config.tools]
 
     async def reset(self, task: Task, sandbox: Sandbox) -> list[Message]:
         if task.env != self.name:
             raise ValueError(f"task {task.id} is for {task.env!r}, not {self.name!r}")
         self.task, self.sandbox, self.submitted, self.done = task, sandbox, None, False
-        return opening(SYSTEM, task)
+        if self.config is None:
+            return opening(SYSTEM, task)
+        how = ("call `submit` with the answer alone." if "submit" in self.config.builtins()
+               else "state it in your last message as \"answer: ...\".")
+        return opening(CONFIG_SYSTEM.format(how=how), task)
+
+    async def step(self, tool_name: str, arguments: dict[str, Any] | str | None) -> str:
+        custom = self.config.custom() if self.config is not None else {}
+        if tool_name not in custom:
+            return await super().step(tool_name, arguments)
+        tool = custom[tool_name]
+        try:
+            return tool.respond(check_arguments(tool.parameters or {}, arguments))
+        except ToolError as e:
+            return error(f"{tool_name}: {e}")
 
     async def tool_python(self, code: str) -> str:
         if self.sandbox is None:
@@ -220,15 +280,40 @@ class ToolCallEnv(Environment):
     async def verify(self, messages: Sequence[Message] | None = None) -> Verdict:
         if self.task is None:
             raise ValueError("verify called before reset")
-        expected = Fraction(self.task.data["answer"])
         source, text = "submit", self.submitted
         if text is None:
             last = next((m for m in reversed(messages or []) if m.get("role") == "assistant"), None)
             source, text = ("message", _text(last)) if last is not None else ("none", "")
+        if "answer_text" in self.task.data:
+            expected_text = str(self.task.data["answer_text"])
+            passed = text_matches(text, expected_text, submitted=source == "submit")
+            return Verdict.of(passed, expected=expected_text, source=source, answer=text[-500:])
+        expected = Fraction(self.task.data["answer"])
         got = parse_number(text)
         details: dict[str, Any] = {"expected": self.task.data["answer"], "source": source,
                                    "answer": None if got is None else _decimal_or_float(got)}
         return Verdict.of(got is not None and correct(got, expected), **details)
+
+
+_TEXT_ANSWER = re.compile(r"answer\s*(?:is|:|=)\s*\**\s*(.+)", re.IGNORECASE)
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.casefold().replace("*", " ").split()).strip(" .")
+
+
+def text_matches(text: str, expected: str, *, submitted: bool) -> bool:
+    """A text answer: the submitted one, or the final message's \\boxed{…} / "answer: …",
+    equal to `expected` ignoring case and spacing; else, in a final message, `expected`
+    found in it as a whole phrase."""
+    want = _norm(expected)
+    if submitted:
+        return _norm(text) == want
+    for pattern in (_BOXED, _TEXT_ANSWER):
+        found = pattern.findall(text)
+        if found:
+            return _norm(found[-1].splitlines()[0] if found[-1] else "") == want
+    return re.search(rf"(?<!\w){re.escape(want)}(?!\w)", _norm(text)) is not None
 
 
 def _decimal_or_float(x: Fraction) -> str:

@@ -1,7 +1,9 @@
 """The evaluator's configuration: `NEXTSTATE_EVAL__*` on top of the shared settings.
 
-    NEXTSTATE_EVAL__SUITES=["demo","drift"]      suites enqueued for every committed version (built-in
-                                                 names or module:callable; unknown ones refuse to start)
+    NEXTSTATE_EVAL__SUITES=demo,drift            suites enqueued for every committed version (built-in
+                                                 names or module:callable; unknown ones refuse to start):
+                                                 a comma list, or a JSON list (["demo","drift"]; also
+                                                 as a shell that sourced .env leaves it: [demo,drift])
     NEXTSTATE_EVAL__ENGINE_URL=http://127.0.0.1:30001   the evaluation engine: a second engine that
                                                  loads candidates (never the one users talk to);
                                                  one per worker: it serves one candidate at a time
@@ -22,8 +24,19 @@
     NEXTSTATE_EVAL__SCENARIOS=                   a folder of scenario files (default: the package's)
     NEXTSTATE_EVAL__DEMO_TASK=short              the demo criterion suite's task (shared/demo_tasks.py;
                                                  `nextstate demo`'s default; vowel for tiny test models)
-    NEXTSTATE_EVAL__SAMPLES=32                   tasks / prompts per suite (n); a job may ask for more
+    NEXTSTATE_EVAL__SAMPLES=128                  tasks / prompts per suite (n; a job may ask for more):
+                                                 what the gate's paired test needs to see a drop of
+                                                 ~0.14 (bench/gate_power.py)
+    NEXTSTATE_EVAL__SUITE_SAMPLES={"drift":32}   per-suite n instead (drift has a limit, not a paired test)
+    NEXTSTATE_EVAL__CONCURRENCY=16               requests in flight per suite (the evaluation engine
+                                                 batches them: keep it at the engine's MAX_RUNNING)
     NEXTSTATE_EVAL__MAX_TOKENS=32                per answer
+    NEXTSTATE_EVAL__BASELINE=true                evaluate the base model (v0) once per run, at start:
+                                                 the gate's first baseline, every curve's first point
+                                                 (needs BASE_MODEL; loaded from that path)
+    NEXTSTATE_EVAL__NEWEST_ONLY=true             a version not begun when a newer one is committed is
+                                                 skipped (the gate records it `skipped`): evaluation
+                                                 stays on the newest version however fast training goes
     NEXTSTATE_EVAL__SEED=0
     NEXTSTATE_EVAL__CONSUMER_NAME=               stable name of the dispatcher's consumer on `checkpoints`
                                                  ({hostname}, {pid} filled in; default evaluator-<host>-<pid>)
@@ -46,16 +59,34 @@ is idle then. With RETRIES=0 such a job is not run again: rq marks it failed.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from shared.settings import Settings
 
 
+def parse_name_list(text: str) -> list[str]:
+    """`demo,drift`, `["demo","drift"]`, or the latter after a shell's `source .env` took
+    its quotes (`[demo,drift]`): the same list of names. Names hold no quotes or commas
+    (built-in suites, `env:<name>`, module:callable)."""
+    s = text.strip()
+    if s.startswith("["):
+        try:
+            loaded = json.loads(s)
+        except ValueError:
+            loaded = None
+        if isinstance(loaded, list):
+            return [str(x).strip() for x in loaded if str(x).strip()]
+        s = s[1:-1] if s.endswith("]") else s[1:]
+    return [p.strip().strip("\"'") for p in s.split(",") if p.strip().strip("\"'")]
+
+
 class EvalConfig(BaseModel):
-    suites: list[str] = Field(default_factory=lambda: ["demo", "drift"])
+    suites: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["demo", "drift"])
     engine_url: str = "http://127.0.0.1:30001"
     engine_kind: Literal["sglang", "vllm"] = "sglang"
     engine_dir: str | None = None
@@ -70,8 +101,12 @@ class EvalConfig(BaseModel):
     user_api_key: SecretStr | None = None
     scenarios: Path | None = None
     demo_task: str = "short"
-    samples: int = Field(32, ge=1)
+    samples: int = Field(128, ge=1)
+    suite_samples: dict[str, int] = Field(default_factory=lambda: {"drift": 32})
+    concurrency: int = Field(16, ge=1)
     max_tokens: int = Field(32, ge=1)
+    baseline: bool = True
+    newest_only: bool = True
     seed: int = 0
     consumer_name: str | None = None
     host: str = "127.0.0.1"
@@ -81,6 +116,14 @@ class EvalConfig(BaseModel):
     abandoned_after_s: int = Field(45, ge=2)
     maintenance_s: int = Field(15, ge=1)
     shutdown_grace_s: float = Field(10.0, ge=0)
+
+    def samples_for(self, suite: str) -> int:
+        return self.suite_samples.get(suite, self.samples)
+
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _suites(cls, v: Any) -> Any:
+        return parse_name_list(v) if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _heartbeat_within_abandon(self) -> EvalConfig:

@@ -4,19 +4,29 @@
   engine, a hosted API with a bearer key). `url` may end in `/v1` or not.
 - `SGLangTextBackend`: SGLang's native `/generate` with text in; the judge messages are
   rendered with the judge model's chat template (`judge_tokenizer`) when given, else
-  as plain "System:/User:/Assistant:" text (base models).
+  as plain "System:/User:/Assistant:" text (base models). With `verdict_grammar`, each
+  PRM vote is decoded under an EBNF grammar (SGLang's and our engine's `ebnf`) that
+  allows only `\\boxed{1}`, `\\boxed{0}` or `\\boxed{-1}`.
 
 `call(messages)` never raises for a failed call: it returns a `CallResult` whose
 `error` says what happened, so the vote is kept for audit and the caller applies the
 quorum rule. Retried (with doubling, jittered backoff): transport errors, per-attempt
 timeouts, 429 and 5xx. Not retried: other 4xx (the request or the key is wrong),
-and 2xx bodies without an answer. The HTTP client is sharded (services/judge/http.py):
+and 2xx bodies without an answer.
+
+A judge that cannot keep up backs off instead of piling more on its model (which may be
+an engine that also serves users): `AdaptiveLimit` caps the calls in flight, halving the
+cap and pausing new calls when an attempt times out or is refused (429, 5xx, transport),
+and raising it by one per cap's worth of answers (additive increase, multiplicative
+decrease). Turns then wait in the judge — their entries stay pending in `turns`, nothing
+is lost — rather than time out at the model. The HTTP client is sharded (services/judge/http.py):
 httpx's single pool gets quadratically slower with hundreds of connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -55,6 +65,71 @@ class CallFailed(Exception):
         self.reason = reason
 
 
+OVERLOAD = ("timeout", "transport", "http_429", "http_5xx")
+
+
+class AdaptiveLimit:
+    """How many calls may be in flight: AIMD between `floor` and `ceiling`.
+
+    `overloaded()` halves the limit (at most once per `cooldown_s`, so a burst of
+    failures of calls sent together counts once) and pauses new calls for a backoff that
+    doubles on each consecutive overload, up to `max_pause_s`; `answered()` adds 1/limit.
+    """
+
+    def __init__(self, ceiling: int, *, floor: int = 1, pause_s: float = 0.5, max_pause_s: float = 30.0,
+                 cooldown_s: float = 1.0) -> None:  # fmt: skip
+        self.ceiling = max(ceiling, floor)
+        self.floor = floor
+        self.limit = float(self.ceiling)
+        self.pause_s = pause_s
+        self.max_pause_s = max_pause_s
+        self.cooldown_s = cooldown_s
+        self.inflight = 0
+        self.paused_until = 0.0
+        self._last_cut = -float("inf")
+        self._streak = 0
+        self._cond = asyncio.Condition()
+        metrics.CALL_LIMIT.set(self.limit)
+
+    async def acquire(self) -> None:
+        async with self._cond:
+            while True:
+                wait = self.paused_until - time.monotonic()
+                if wait <= 0 and self.inflight < int(self.limit):
+                    self.inflight += 1
+                    return
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait):
+                            await self._cond.wait()
+                else:
+                    await self._cond.wait()
+
+    async def release(self) -> None:
+        async with self._cond:
+            self.inflight -= 1
+            self._cond.notify_all()
+
+    def answered(self) -> None:
+        self._streak = 0
+        self.limit = min(float(self.ceiling), self.limit + 1.0 / self.limit)
+        metrics.CALL_LIMIT.set(self.limit)
+
+    def overloaded(self, reason: str) -> None:
+        now = time.monotonic()
+        if now - self._last_cut < self.cooldown_s:
+            return
+        self._last_cut = now
+        self._streak += 1
+        self.limit = max(float(self.floor), self.limit / 2)
+        pause = min(self.max_pause_s, self.pause_s * 2 ** (self._streak - 1))
+        self.paused_until = max(self.paused_until, now + pause)
+        metrics.CALL_LIMIT.set(self.limit)
+        metrics.BACKOFFS.labels(reason).inc()
+        log.warning("the judge model is overloaded: backing off",
+                    extra={"reason": reason, "call_limit": int(self.limit), "pause_s": round(pause, 2)})
+
+
 class JudgeBackend:
     """Shared plumbing: the pooled client, retries, timeouts. Subclasses build requests."""
 
@@ -73,6 +148,7 @@ class JudgeBackend:
             timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
             transport=transport,
         )
+        self.limit = AdaptiveLimit(pool, pause_s=max(cfg.backoff_s, 0.05))
 
     @staticmethod
     def base_url(url: str) -> str:
@@ -88,7 +164,7 @@ class JudgeBackend:
         await self.aclose()
 
     # -- to implement ---------------------------------------------------------------
-    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+    def body(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> dict[str, Any]:
         raise NotImplementedError
 
     def answer(self, data: Any) -> str:
@@ -101,25 +177,33 @@ class JudgeBackend:
 
     # -- one call -------------------------------------------------------------------------
     async def call(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> CallResult:
-        payload = json.dumps(self.body(messages), separators=(",", ":")).encode()
+        payload = json.dumps(self.body(messages, kind), separators=(",", ":")).encode()
         started = time.perf_counter()
         attempts = 0
         while True:
             attempts += 1
+            await self.limit.acquire()
             t0 = time.perf_counter()
+            failure: CallFailed | None = None
             try:
                 text = await self._attempt(payload)
             except CallFailed as exc:
-                metrics.CALL_SECONDS.labels(kind, exc.reason).observe(time.perf_counter() - t0)
-                if not exc.retryable or attempts > self.cfg.retries:
-                    log.debug("judge call failed", extra={"error": str(exc), "attempts": attempts})
-                    return CallResult(None, time.perf_counter() - started, str(exc), attempts)
-                metrics.RETRIES.labels(exc.reason).inc()
-                delay = self.cfg.backoff_s * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
-                await asyncio.sleep(delay)
-                continue
-            metrics.CALL_SECONDS.labels(kind, "ok").observe(time.perf_counter() - t0)
-            return CallResult(text, time.perf_counter() - started, None, attempts)
+                failure = exc
+            finally:
+                await self.limit.release()  # never held through a retry's backoff
+            if failure is None:
+                self.limit.answered()
+                metrics.CALL_SECONDS.labels(kind, "ok").observe(time.perf_counter() - t0)
+                return CallResult(text, time.perf_counter() - started, None, attempts)
+            metrics.CALL_SECONDS.labels(kind, failure.reason).observe(time.perf_counter() - t0)
+            if failure.reason in OVERLOAD:
+                self.limit.overloaded(failure.reason)
+            if not failure.retryable or attempts > self.cfg.retries:
+                log.debug("judge call failed", extra={"error": str(failure), "attempts": attempts})
+                return CallResult(None, time.perf_counter() - started, str(failure), attempts)
+            metrics.RETRIES.labels(failure.reason).inc()
+            delay = self.cfg.backoff_s * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
+            await asyncio.sleep(delay)
 
     async def _attempt(self, payload: bytes) -> str:
         where = f"{self.http.base_url}{self.path}"
@@ -147,6 +231,10 @@ class JudgeBackend:
         return self.answer(data)
 
 
+# NEXTSTATE_JUDGE__VERDICT_GRAMMAR: a vote is one of the three boxed labels and nothing else.
+VERDICT_EBNF = 'root ::= "\\\\boxed{" ("1" | "0" | "-1") "}"'
+
+
 def _snippet(resp: httpx.Response) -> str:
     return resp.text[:300].replace("\n", " ") or "(empty body)"
 
@@ -158,7 +246,7 @@ class OpenAIBackend(JudgeBackend):
     def base_url(url: str) -> str:
         return url if url.endswith("/v1") else url + "/v1"
 
-    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+    def body(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> dict[str, Any]:
         return {
             "model": self.cfg.model,
             "messages": list(messages),
@@ -201,14 +289,11 @@ class SGLangTextBackend(JudgeBackend):
         parts = [f"{m['role'].capitalize()}:\n{m['content']}" for m in messages]
         return "\n\n".join(parts) + "\n\nAssistant:\n"
 
-    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
-        return {
-            "text": self.render(messages),
-            "sampling_params": {
-                "temperature": self.cfg.temperature,
-                "max_new_tokens": self.cfg.max_tokens,
-            },
-        }
+    def body(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> dict[str, Any]:
+        sampling: dict[str, Any] = {"temperature": self.cfg.temperature, "max_new_tokens": self.cfg.max_tokens}
+        if self.cfg.verdict_grammar and kind == "prm":  # the reward's votes only: hints stay free text
+            sampling["ebnf"] = VERDICT_EBNF
+        return {"text": self.render(messages), "sampling_params": sampling}
 
     def answer(self, data: Any) -> str:
         text = data.get("text") if isinstance(data, dict) else None

@@ -26,6 +26,13 @@ RETRIES = Counter(
     ["reason"],
 )
 INFLIGHT = Gauge("nextstate_judge_turns_in_flight", "Turns being judged in this process")
+CALL_LIMIT = Gauge(
+    "nextstate_judge_call_limit",
+    "Judge model calls allowed in flight now (halved when the model is overloaded, regained as it answers)",
+)
+BACKOFFS = Counter(
+    "nextstate_judge_backoffs_total", "Times the judge cut its calls because the model was overloaded", ["reason"],
+)
 TURNS = Counter(
     "nextstate_judge_turns_total",
     "Turns by outcome: scored, unjudged (no next state), side (skipped), failed (raised), held (wait for "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from tests.integration.test_buffer import (
     samples,
     scored_turn,
 )
+from tests.integration.test_ctl import run as run_ctl
 from tests.support.servers import ServiceProcess
 
 pytestmark = pytest.mark.integration
@@ -163,6 +165,13 @@ async def test_archive_holds_every_published_sample(
     assert metric(text, "nextstate_buffer_archived_samples_total") == 6
     assert metric(text, "nextstate_buffer_archive_uploads_total") == 2
 
+    async def reported() -> dict[str, Any] | None:  # what it holds now: nothing; the last object
+        states = [json.loads(v) for v in (await bus.redis.hgetall(bus.keys.archive_state)).values()]
+        return states[0] if states and states[0]["held_since"] is None and states[0]["last_key"] else None
+
+    state = await eventually(reported, what="the archive's state after its uploads")
+    assert state["last_key"] in keys and state["uploaded_at"] > 0 and state["roll_s"] == 1.0
+
 
 async def test_a_killed_buffer_loses_nothing_from_the_archive(
     s3_env: dict[str, str], s3_settings: Settings, bus: Bus, procs: list[ServiceProcess],
@@ -252,3 +261,37 @@ async def _is(got: Any, want: Any) -> bool:
 async def _len(got: Any, n: int) -> Any:
     items = await got
     return items if len(items) >= n else None
+
+
+async def test_status_shows_the_archive_holding_its_roll_not_stalled(
+    s3_env: dict[str, str], bus: Bus, procs: list[ServiceProcess],
+) -> None:
+    """The archive acknowledges a batch only once the object holding it is uploaded, so it
+    holds its open roll's batches (for up to roll_s) with no acks: `nextstate status`
+    used to flag that STALLED. The archiver says what it holds; status shows it holding,
+    with when the roll uploads."""
+    penv, url = process_env(s3_env, batch_size=2, max_wait_s=60, archive=True,
+                            archive_roll_samples=1000, archive_roll_s=120)  # fmt: skip
+    start(procs, penv, url)
+    for i in range(2):
+        await bus.publish(K.SCORED, scored_turn(f"s{i}", 0, reward=1 if i else -1))
+
+    async def held() -> dict[str, Any] | None:
+        groups = {g["name"]: g for g in await bus.redis.xinfo_groups(bus.keys.batches)}
+        states = await bus.redis.hgetall(bus.keys.archive_state)
+        state = json.loads(next(iter(states.values()))) if states else {}
+        archive = groups.get(K.GROUP_ARCHIVE)
+        return state if archive and int(archive["pending"]) == 1 and state.get("held_since") else None
+
+    state = await eventually(held, what="the archive holding the batch")
+    assert (state["roll_s"], state["uploaded_at"]) == (120.0, None) and state["grace_s"] >= 60
+    out = await asyncio.to_thread(run_ctl, penv, "status", "--json", "--window", "1")
+    assert out.returncode == 0, out.stderr
+    snap = json.loads(out.stdout)
+    stream = next(s for s in snap["streams"] if s["stream"] == K.BATCHES)
+    archive = next(g for g in stream["groups"] if g["name"] == K.GROUP_ARCHIVE)
+    assert archive["pending"] == 1 and archive["acked_in_window"] == 0
+    assert archive["stalled"] is False and f"{K.BATCHES}/{K.GROUP_ARCHIVE}" not in snap["stalled"]
+    assert 0 < archive["archive_hold"]["upload_in_s"] <= 120
+    text = await asyncio.to_thread(run_ctl, penv, "status", "--window", "1")
+    assert "holding the archive roll (uploads in " in text.stdout and "STALLED" not in text.stdout

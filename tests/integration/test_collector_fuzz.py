@@ -27,20 +27,17 @@ from schemathesis import GenerationMode
 
 from services.collector.openapi import document
 from tests.support.collector_harness import StandIn, collector_process
-from tests.support.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.integration
 
 KEY = "fuzz-key"
 SESSION = requests.Session()
-EXAMPLES = 40  # per operation and mode
+EXAMPLES = 30  # per operation and mode: ~60 requests each, ~1 min in all here
 
 
 @pytest.fixture(scope="module")
-def collector_url(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[str]:
-    tok = tmp_path_factory.mktemp("fuzz-tok")
-    build_tokenizer(Path(tok))
-    standin = StandIn(args=["--tokenizer", str(tok), "--latency-ms", "1"]).start()
+def collector_url(tiny_tokenizer: Path, redis_url: str) -> Iterator[str]:
+    standin = StandIn(args=["--tokenizer", str(tiny_tokenizer), "--latency-ms", "1"]).start()
     env = {"NEXTSTATE_ENV": "test", "NEXTSTATE_REDIS__URL": redis_url,
            "NEXTSTATE_REDIS__PREFIX": f"t-{uuid.uuid4().hex[:10]}"}  # fmt: skip
     proc, url = collector_process(env, standin.url, api_keys=KEY, context_length=512,

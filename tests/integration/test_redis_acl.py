@@ -408,6 +408,10 @@ async def test_buffer_app_runs_as_the_buffer_user(acl: Acl) -> None:
     consumer.stop()
     await asyncio.wait_for(task, 10)
     assert len(archived) == await admin.xlen(k.batches) > 0
+    # What the archive holds on purpose, for `nextstate status` (write only).
+    await buffer.redis.hset(k.archive_state, "buffer-archive", json.dumps({"held_since": None}))
+    await denied(buffer.redis.hgetall(k.archive_state))
+    assert await admin.hgetall(k.archive_state) == {"buffer-archive": '{"held_since": null}'}
     assert await buffer.publish(K.TURNS, turn()) is not None  # POST /receive publishes imports
 
     ledger = Ledger(buffer, acl.settings("buffer"), 60)

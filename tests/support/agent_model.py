@@ -129,10 +129,11 @@ def _variants(agent: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     return [body]
 
 
-def _call(path: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def collector_conversation(path: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     from services.collector.anthropic_request import build_messages_call, parse_messages
     from services.collector.request import build_call, parse_body
     from services.collector.responses_request import build_responses_call, parse_responses
+    """The messages and tools the collector renders for a recorded request."""
     from services.collector.settings import CollectorConfig
 
     cfg, raw, path = CollectorConfig(), json.dumps(body).encode(), path.split("?")[0]
@@ -147,7 +148,8 @@ def _call(path: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[d
 
 def examples() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str, bool]]:
     """(messages, tools, the text the model must answer, whether to check it on the full
-    prompt: the first rendering of each recorded request) from the recordings."""
+    prompt: the first rendering of each recorded Codex and Claude Code request, and of
+    OpenClaw's first) from the recordings."""
     out = []
     for name in RECORDINGS:
         agent = name.split("-", 1)[0]
@@ -161,8 +163,8 @@ def examples() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, 
             task = CODEX_TASK if agent == "codex" else CLAUDE_TASK
             body = json.loads(json.dumps(e["body"]).replace(RECORDED_TASK, task))
             for v, b in enumerate(_variants(agent, body)):
-                messages, tools = _call(e["path"], b)
-                out.append((messages, tools, target, v == 0 and (agent != "openclaw" or i == 0)))
+                messages, tools = collector_conversation(e["path"], b)
+                out.append((messages, tools, target, v == 0 and (agent != "openclaw" or (name, i) == (RECORDINGS[0], 0))))
     return out
 
 

@@ -418,6 +418,14 @@ def test_stop_ids_and_decode(tiny: ChatTemplate, tmp_path: Path) -> None:
     assert ChatTemplate.from_pretrained(tmp_path).eos_token_ids == (im_end, 7)
 
 
+def test_smollm2_renders_no_tools(smol: ChatTemplate) -> None:
+    """The demo model's template writes role and content only (docs/agents.md: which bundled
+    models take tools): no tools, and every system message in place."""
+    assert not smol.renders_tools and smol.renders_late_system
+    messages = [{"role": "user", "content": "weather?"}]
+    assert smol.render(messages, TOOLS) == smol.render(messages)
+
+
 def test_smollm2_prompt(smol: ChatTemplate) -> None:
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     text = smol.render(msgs)

@@ -1,6 +1,6 @@
-"""What real agents send, taken as they mean it: requests recorded from OpenClaw 2026.9.6
-(all three API kinds), the Codex CLI 0.171.0 and Claude Code 2.1.332 (tests/data/agents/,
-each file says how it was recorded), and the follow-ups they send once answered."""
+"""What real agents send, taken as they mean it: the requests OpenClaw 2026.9.6 (all three
+API kinds), the Codex CLI 0.171.0 and Claude Code 2.1.332 sent, first and follow-up, as
+tests/data/agents/record.py recorded them."""
 
 from __future__ import annotations
 
@@ -21,13 +21,11 @@ from services.collector.responses_api import call_item, output_items
 from services.collector.responses_request import build_responses_call, parse_responses
 from services.collector.settings import CollectorConfig
 from shared.chat import ChatTemplate
-from tests.support.tiny_model import build_tokenizer
-
-RECORDED = Path(__file__).resolve().parents[1] / "data" / "agents"
+from tests.support.agents import recording
 
 
-def recorded(name: str) -> dict[str, Any]:
-    body: dict[str, Any] = json.loads((RECORDED / name).read_text())["body"]
+def recorded(name: str, i: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = recording(name)[i]["body"]
     return body
 
 
@@ -49,17 +47,15 @@ def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
-    path = tmp_path_factory.mktemp("tiny-tok")
-    build_tokenizer(path)
-    return ChatTemplate.from_pretrained(path)
+def tiny(tiny_tokenizer: Path) -> ChatTemplate:
+    return ChatTemplate.from_pretrained(tiny_tokenizer)
 
 
 # -- the Codex CLI (Responses API) --------------------------------------------------------------
 
 
 def test_codex_namespace_tools_are_flattened_and_its_web_search_left_out(tiny: ChatTemplate) -> None:
-    body = recorded("codex-exec-first.json")
+    body = recorded("codex")
     rc = responses(body)
     namespace = next(t for t in body["tools"] if t["type"] == "namespace")
     assert namespace["name"] == "multi_agent_v1" and len(namespace["tools"]) > 1
@@ -79,12 +75,21 @@ def test_codex_namespace_tools_are_flattened_and_its_web_search_left_out(tiny: C
 
 def test_codex_with_unsupported_tools_refused() -> None:
     with pytest.raises(ApiError, match="built-in tool 'web_search'") as bad:
-        responses(recorded("codex-exec-first.json"), CollectorConfig(unsupported_tools="refuse"))
+        responses(recorded("codex"), CollectorConfig(unsupported_tools="refuse"))
     assert (bad.value.status, bad.value.param) == (400, "tools")
 
 
+def test_codex_follow_up_continues_its_first_request() -> None:
+    first, follow = responses(recorded("codex")), responses(recorded("codex", 1))
+    n = len(first.call.raw_messages)
+    assert same(follow.call.raw_messages[:n], first.call.raw_messages)
+    call, output = follow.call.raw_messages[n:]
+    assert call["tool_calls"][0]["function"]["name"] == "exec_command" and output["role"] == "tool"
+    assert follow.call.dropped_tools == ("web_search",) and follow.call.tools == first.call.tools
+
+
 def test_codex_namespaced_calls_go_back_namespaced_and_come_back_flat() -> None:
-    body = recorded("codex-exec-first.json")
+    body = recorded("codex")
     answer = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "multi_agent_v1.spawn_agent", "arguments": '{"message": "look"}'}}]}  # fmt: skip
@@ -105,7 +110,7 @@ def test_codex_namespaced_calls_go_back_namespaced_and_come_back_flat() -> None:
 
 
 def test_a_namespaced_tool_choice_names_the_flat_function() -> None:
-    body = {**recorded("codex-exec-first.json"),
+    body = {**recorded("codex"),
             "tool_choice": {"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"}}
     assert responses(body).call.tools_enabled
     with pytest.raises(ApiError, match="forces the built-in tool 'web_search'"):
@@ -115,21 +120,8 @@ def test_a_namespaced_tool_choice_names_the_flat_function() -> None:
 # -- Claude Code (Messages API) -------------------------------------------------------------------
 
 
-def claude_follow_up(first: dict[str, Any]) -> dict[str, Any]:
-    """Claude Code's next request: its environment entry, no longer newest, as a plain
-    string (no cache_control); then the answer's tool_use and its tool_result."""
-    env = first["messages"][1]
-    assert env["role"] == "system" and isinstance(env["content"], list)
-    plain = {"role": "system", "content": "".join(b["text"] for b in env["content"])}
-    use = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}
-    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt",
-              "cache_control": {"type": "ephemeral"}}  # fmt: skip
-    return {**first, "messages": [first["messages"][0], plain, {"role": "assistant", "content": [use]},
-                                  {"role": "user", "content": [result]}]}  # fmt: skip
-
-
 def test_claude_code_environment_entry_is_a_system_message_in_place(tiny: ChatTemplate) -> None:
-    body = recorded("claude-code-print-first.json")
+    body = recorded("claude")
     mc = messages(body)
     env = body["messages"][1]["content"][0]
     assert "cache_control" in env and env["text"].startswith("# Environment")
@@ -144,18 +136,18 @@ def test_claude_code_environment_entry_is_a_system_message_in_place(tiny: ChatTe
 
 
 def test_claude_code_follow_up_continues_the_captured_conversation() -> None:
-    first = recorded("claude-code-print-first.json")
+    first, follow = recorded("claude"), recorded("claude", 1)
+    # The environment entry, newest: a block list with cache_control; afterwards a string.
+    assert isinstance(first["messages"][1]["content"], list) and isinstance(follow["messages"][1]["content"], str)
     turn = messages(first).call.raw_messages
-    answer = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]}
-    follow = messages(claude_follow_up(first)).call.raw_messages
-    assert same(follow[: len(turn)], turn)  # the cache_control block list and the string are one message
-    assert same([follow[len(turn)]], [answer])
-    assert follow[-1] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"}
+    later = messages(follow).call.raw_messages
+    assert same(later[: len(turn)], turn)  # the same system message either way
+    call, result = later[len(turn):]
+    assert call["tool_calls"][0]["function"]["name"] == "Bash" and result["role"] == "tool"
 
 
 def test_anthropic_server_tools_are_left_out_unless_forced() -> None:
-    body = recorded("claude-code-print-first.json")
+    body = recorded("claude")
     search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
     mc = messages({**body, "tools": [*body["tools"], search]})
     assert mc.call.dropped_tools == ("web_search_20250305",)
@@ -171,16 +163,18 @@ def test_anthropic_server_tools_are_left_out_unless_forced() -> None:
 
 @pytest.mark.parametrize("api", ["openai-completions", "openai-responses", "anthropic-messages"])
 def test_openclaw_requests_pass_on_every_api(api: str, tiny: ChatTemplate) -> None:
-    body = recorded(f"openclaw-{api}-first.json")
-    if api == "openai-completions":
-        call = build_call(parse_body(raw(body)), {}, CollectorConfig())
-    elif api == "openai-responses":
-        call = responses(body).call
-    else:
-        call = messages(body).call
-    assert [m["role"] for m in call.messages] == ["system", "user", "user"]
-    assert call.messages[-1]["content"].startswith("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>")
-    assert [t["function"]["name"] for t in call.tools] == [
-        t.get("name") or t["function"]["name"] for t in body["tools"]]
-    assert call.dropped_tools == () and call.stream
-    tiny.render(call.messages, call.tools)
+    for i, req in enumerate(recording(f"openclaw-{api}")):
+        body = req["body"]
+        if api == "openai-completions":
+            call = build_call(parse_body(raw(body)), {}, CollectorConfig())
+        elif api == "openai-responses":
+            call = responses(body).call
+        else:
+            call = messages(body).call
+        if i == 0:
+            assert [m["role"] for m in call.messages] == ["system", "user", "user"]
+            assert call.messages[-1]["content"].startswith("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>")
+        assert [t["function"]["name"] for t in call.tools] == [
+            t.get("name") or t["function"]["name"] for t in body["tools"]]
+        assert call.dropped_tools == () and call.stream
+        tiny.render(call.messages, call.tools)

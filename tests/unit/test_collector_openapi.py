@@ -1,25 +1,21 @@
 """/openapi.json describes the bodies the collector takes: the real agents' recorded
-requests conform to it, and so do the SDK-shaped requests the other tests send."""
+requests (tests/data/agents) conform to it, and so do SDK-shaped requests."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
 
 from services.collector.openapi import document
+from tests.support.agents import recording
 
-RECORDED = Path(__file__).resolve().parents[1] / "data" / "agents"
-BODIES = {
-    "openclaw-openai-completions-first.json": "ChatCompletionRequest",
-    "openclaw-openai-responses-first.json": "ResponsesCreateRequest",
-    "openclaw-anthropic-messages-first.json": "MessagesCreateRequest",
-    "codex-exec-first.json": "ResponsesCreateRequest",
-    "claude-code-print-first.json": "MessagesCreateRequest",
-}
+SCHEMAS = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/responses": "ResponsesCreateRequest",
+           "/v1/messages": "MessagesCreateRequest"}
+RECORDED = [(name, i) for name in ("openclaw-openai-completions", "openclaw-openai-responses",
+                                   "openclaw-anthropic-messages", "codex", "claude")
+            for i in range(len(recording(name)))]  # fmt: skip
 
 
 def validator(name: str) -> Draft202012Validator:
@@ -50,10 +46,10 @@ def _walk(node: Any) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize(("recording", "schema"), sorted(BODIES.items()))
-def test_recorded_agent_requests_conform(recording: str, schema: str) -> None:
-    body = json.loads((RECORDED / recording).read_text())["body"]
-    errors = sorted(validator(schema).iter_errors(body), key=str)
+@pytest.mark.parametrize(("name", "i"), RECORDED)
+def test_recorded_agent_requests_conform(name: str, i: int) -> None:
+    req = recording(name)[i]
+    errors = sorted(validator(SCHEMAS[req["path"].split("?")[0]]).iter_errors(req["body"]), key=str)
     assert not errors, [f"{list(e.absolute_path)}: {e.message[:200]}" for e in errors[:5]]
 
 

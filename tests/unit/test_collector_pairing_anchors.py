@@ -5,13 +5,15 @@ Redis (pending_store.py; tested there against a real Redis in
 tests/integration/test_collector_pairing.py): the prefix rule closes every candidate it
 finds; when it knows nothing of the last response, the first registered anchor decides.
 Requests go through the real request builders of each API, so a shape is tested as the
-collector sees it.
+collector sees it; the sessions recorded from the real OpenClaw (three APIs), Codex CLI
+and Claude Code (tests/data/agents) are replayed the same way.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -416,3 +418,50 @@ def test_anchor_kinds_and_their_order() -> None:
     # The answer anchors of a stored turn: one per message after its previous response.
     assert len(stored) == 5
     assert offer(analyze(chat([sys(), user("hello")])), 0) is None  # no assistant message yet
+
+
+# -- the recorded agents (tests/data/agents/*.jsonl: each file says how it was recorded) ------------
+
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "agents"
+
+
+def recorded_session(name: str) -> list[list[dict[str, Any]]]:
+    """Each request of a recorded session as the collector's messages, in order."""
+    out = []
+    for line in (RECORDED / f"{name}.jsonl").read_text().splitlines():
+        req = json.loads(line)
+        path, body = req["path"].split("?")[0], json.dumps(req["body"]).encode()
+        if path.endswith("/chat/completions"):
+            out.append(build_call(parse_body(body), {}, CFG).messages)
+        elif path.endswith("/responses"):
+            out.append(build_responses_call(parse_responses(body), None, {}, CFG).call.messages)
+        else:
+            out.append(build_messages_call(parse_messages(body), {}, CFG).call.messages)
+    return out
+
+
+@pytest.mark.parametrize(("name", "today", "rules"), [
+    ("openclaw-openai-completions", [[], []], [HISTORY, HISTORY]),
+    ("openclaw-openai-responses", [["t0"], []], ["prefix", EXCHANGE]),  # keeps the context mid-loop once
+    ("openclaw-anthropic-messages", [[], []], [HISTORY, HISTORY]),
+    ("codex", [["t0"]], ["prefix"]),
+    ("claude", [["t0"]], ["prefix"]),
+])  # fmt: skip
+def test_every_recorded_follow_up_closes_the_turn_it_continues(name: str, today: list[list[str]],
+                                                               rules: list[str]) -> None:  # fmt: skip
+    """Each request's answer is the assistant message its follow-up resends; the prefix
+    rule alone (today's) is the baseline."""
+    requests = recorded_session(name)
+    for rule in ("prefix", "anchors"):
+        p = Pairer(rule)
+        got = []
+        for k, messages in enumerate(requests):
+            answered = sum(m["role"] == "assistant" for m in messages)
+            later = [m for m in requests[k + 1] if m["role"] == "assistant"] if k + 1 < len(requests) else []
+            answer = later[answered] if len(later) > answered else reply("the last answer")
+            got.append(p.request(messages, answer, f"t{k}"))
+        closed, how = [c for c, _ in got[1:]], [h for _, h in got[1:]]
+        if rule == "prefix":
+            assert closed == today, rule
+        else:
+            assert closed == [[f"t{k}"] for k in range(len(requests) - 1)] and how == rules

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from services.collector.completion import ChatService
 from services.collector.context_window import (
     OVERFLOW_CODE,
     context_length,
@@ -18,7 +19,11 @@ from services.collector.context_window import (
     overflow,
 )
 from services.collector.openai_shapes import ApiError
+from services.collector.request import make_call
+from services.collector.settings import CollectorConfig
+from shared.chat import ChatTemplate
 from shared.errors import EngineRejected
+from shared.schemas import SamplingParams
 
 
 def test_the_length_comes_from_the_setting_then_the_engine_then_the_model_config(tmp_path: Path) -> None:
@@ -147,3 +152,28 @@ def test_other_engine_refusals_say_what_happened_and_what_to_do() -> None:
     assert engine_refusal("chat", EngineRejected("x: engine answered 404: Not Found", 404)).status == 502
     busy = engine_refusal("chat", EngineRejected("x: engine answered 429: queue full", 429))
     assert busy.status == 429 and "retry" in busy.message
+
+
+async def test_prepare_fits_max_tokens_and_refuses_what_does_not_fit(tiny_tokenizer: Path) -> None:
+    """The collector's own step: the engine is asked for the room left, the turn records it;
+    a prompt over the window never reaches the engine (there is none here)."""
+    cfg = CollectorConfig()
+    template = ChatTemplate.from_pretrained(tiny_tokenizer)
+    messages = [{"role": "user", "content": "the weather in paris"}]
+    prompt = len(template.encode(messages))
+    service = ChatService(cfg, None, template, None, "m", context_length=prompt + 10)  # type: ignore[arg-type]
+    side = {"x-turn-type": "side"}
+    call = make_call(messages, None, tools_enabled=False, headers=side, cfg=cfg, max_tokens=32000)
+    prep = await service.prepare(call)
+    assert isinstance(prep.sampling, SamplingParams) and prep.sampling.max_tokens == 10
+    assert prep.sampling_params.max_tokens == 10 and call.sampling.max_tokens == 32000
+    asked = make_call(messages, None, tools_enabled=False, headers=side, cfg=cfg, max_tokens=5)
+    assert (await service.prepare(asked)).params is None  # it fits: sent as asked
+    refuse = ChatService(CollectorConfig(max_tokens_over_context="refuse"), None, template, None, "m",  # type: ignore[arg-type]
+                         context_length=prompt + 10)  # fmt: skip
+    with pytest.raises(ApiError, match="you requested"):
+        await refuse.prepare(call)
+    small = ChatService(cfg, None, template, None, "m", context_length=prompt)  # type: ignore[arg-type]
+    with pytest.raises(ApiError) as over:
+        await small.prepare(make_call(messages, None, tools_enabled=False, headers=side, cfg=cfg, api="messages"))
+    assert over.value.message == f"prompt is too long: {prompt} tokens > {prompt - 1} maximum"

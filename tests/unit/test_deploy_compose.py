@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import itertools
-import json
 import os
 import re
 import socket
@@ -27,6 +26,7 @@ import yaml
 from pydantic import BaseModel
 
 from services.ctl import redis_acl
+from services.evaluator.settings import parse_name_list
 from shared.consumer import consumer_name
 from shared.settings import Settings, load_settings
 
@@ -35,7 +35,8 @@ COMPOSE = REPO / "docker-compose.yml"
 ENV_EXAMPLE = REPO / ".env.example"
 
 # `${NAME}`, `${NAME:-default}`, `${NAME-default}`, `${NAME:?message}`, `${NAME?message}`.
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+# Innermost first: a default may hold another variable (`${JUDGE_MODEL_DIR:-${NEXTSTATE_MODEL_DIR}}`).
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}$]*))?\}")
 _SECRET_WORDS = ("PASSWORD", "SECRET", "API_KEY", "TOKEN")
 
 
@@ -66,8 +67,13 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
             return arg
         return val or ""
 
+    def resolve(part: str) -> str:
+        while (done := _VAR.sub(one, part)) != part:
+            part = done
+        return part
+
     parts = value.split("$$")
-    return "$".join(_VAR.sub(one, p) for p in parts)
+    return "$".join(resolve(p) for p in parts)
 
 
 def interpolate_tree(node: Any, env: Mapping[str, str]) -> Any:
@@ -95,7 +101,13 @@ def _strings(node: Any) -> Iterator[str]:
 def referenced_vars(doc: Any) -> dict[str, str | None]:
     """Every variable interpolated in a parsed YAML document (comments do not count)
     -> its operator (None, ':-', '-', ':?', '?')."""
-    return {m.group(1): m.group(2) for s in _strings(doc) for m in _VAR.finditer(s.replace("$$", ""))}
+    found: dict[str, str | None] = {}
+    for s in _strings(doc):
+        s = s.replace("$$", "")
+        while matches := list(_VAR.finditer(s)):
+            found.update({m.group(1): m.group(2) for m in matches})
+            s = _VAR.sub("x", s)
+    return found
 
 
 def filled_example_env() -> dict[str, str]:
@@ -161,11 +173,17 @@ def check_settings_env(module: str, env: Mapping[str, str], monkeypatch: pytest.
 
 
 def python_module(argv: list[str]) -> str | None:
-    """`python -m services.x` -> "services.x"; the `nextstate` script -> "nextstate"."""
+    """`python -m services.x` -> "services.x"; the `nextstate` script -> "nextstate".
+    The Ray nodes of profile `ray` -> "ray"; `sh -c "ray start … && exec python -m services.x"`
+    (the trainer's driver joining its node first) -> "services.x"."""
     if argv[:1] == ["nextstate"]:
         return "nextstate"
+    if argv[:2] == ["ray", "start"]:
+        return "ray"
     if len(argv) >= 3 and argv[0] in ("python", "python3") and argv[1] == "-m":
         return argv[2]
+    if len(argv) == 3 and argv[:2] == ["sh", "-c"] and (m := re.search(r"&& exec (python3? -m \S+)$", argv[2])):
+        return python_module(m.group(1).split())
     return None
 
 
@@ -179,6 +197,8 @@ def settings_group(module: str) -> str:
 
 
 def module_entrypoint_exists(module: str) -> bool:
+    if module == "ray":  # Ray's CLI, from the `ray` extra the ray image installs
+        return '"ray[train]' in (REPO / "pyproject.toml").read_text()
     if module == "nextstate":
         pyproject = (REPO / "pyproject.toml").read_text()
         found = re.search(r'^nextstate\s*=\s*"([\w.]+):\w+"', pyproject, re.M)
@@ -200,7 +220,7 @@ def services() -> dict[str, dict[str, Any]]:
 def ours() -> Iterator[tuple[str, dict[str, Any], str]]:
     """Services built from our Dockerfiles, with their package entrypoint."""
     for name, svc in services().items():
-        if "build" in svc:
+        if "build" in svc or str(svc.get("image", "")).startswith("nextstate-"):
             argv = list(svc.get("entrypoint") or []) + list(svc.get("command") or [])
             module = python_module(argv)
             assert module is not None, f"{name}: command {argv} is not python -m / nextstate"
@@ -217,6 +237,7 @@ KNOWN_SERVICE_KEYS = {
     "env_file", "healthcheck", "image", "init", "ipc", "networks", "ports", "profiles",
     "restart", "shm_size", "stop_grace_period", "ulimits", "volumes", "user", "working_dir",
     "labels", "logging", "expose", "extra_hosts", "read_only", "tmpfs", "security_opt", "secrets",
+    "pull_policy",
 }
 
 
@@ -275,6 +296,26 @@ def test_build_contexts_dockerfiles_and_images() -> None:
         assert users and users[-1] not in ("root", "0"), "images run as a non-root user"
     ignore = (REPO / ".dockerignore").read_text().split()
     assert "*" in ignore and "!shared" in ignore and "!services" in ignore
+
+
+def test_each_of_our_images_is_built_by_one_service_and_never_pulled() -> None:
+    """`docker compose build` builds each image once (the classic builder would build one
+    per service, all at once); the services that share it never ask a registry for it."""
+    builders: dict[str, list[str]] = {}
+    for name, svc in services().items():
+        image = str(svc.get("image", ""))
+        if not image.startswith("nextstate-"):
+            continue
+        if "build" in svc:
+            builders.setdefault(image, []).append(name)
+        else:
+            assert svc.get("pull_policy") == "never", f"{name} would try to pull {image}"
+    assert all(len(b) == 1 for b in builders.values()), builders
+    used = {str(svc["image"]) for svc in services().values() if str(svc.get("image", "")).startswith("nextstate-")}
+    assert used == set(builders), f"no service builds {used - set(builders)}"
+    # the builders are in every profile that needs their image (the evaluator: all of them)
+    assert builders["nextstate-light:latest"] == ["collector"] and "profiles" not in services()["collector"]
+    assert builders["nextstate-torch:latest"] == ["evaluator"] and "profiles" not in services()["evaluator"]
 
 
 def test_third_party_images_are_pinned() -> None:
@@ -337,6 +378,9 @@ def test_healthchecks_probe_the_configured_port() -> None:
         if not long_running(svc):
             continue
         url = re.search(r"http://127\.0\.0\.1:(\d+)/(\w+)", " ".join(svc["healthcheck"]["test"]))
+        if module == "ray" or name == "trainer-ray":  # Ray's probe (rank 0's /readyz is on a worker)
+            assert svc["healthcheck"]["test"][1:3] == ["ray", "health-check"], name
+            continue
         if module == "services.vllm":  # vLLM's own open probe, on its --port
             argv = svc["command"]
             assert url and url.group(2) == "health" and argv[argv.index("--port") + 1] == url.group(1), name
@@ -367,10 +411,13 @@ def test_depends_on_targets_exist_and_wait_for_health() -> None:
 def test_both_engines_answer_as_engine() -> None:
     svcs = services()
     cpu, gpu, vllm = svcs["engine-cpu"], svcs["engine-gpu"], svcs["engine-vllm"]
-    assert cpu["profiles"] == ["cpu"] and gpu["profiles"] == ["gpu"] and vllm["profiles"] == ["vllm"]
+    assert cpu["profiles"] == ["cpu", "ray"] and gpu["profiles"] == ["gpu"] and vllm["profiles"] == ["vllm"]
     for svc in (cpu, gpu, vllm):
         assert "engine" in svc["networks"]["default"]["aliases"]
     assert svcs["trainer-cpu"]["profiles"] == ["cpu", "vllm"] and svcs["trainer-gpu"]["profiles"] == ["gpu"]
+    # `ray`: the cpu stack with one trainer, on the Ray cluster, instead of trainer-cpu
+    assert svcs["trainer-ray"]["profiles"] == ["ray"]
+    assert svcs["trainer-ray"]["environment"]["NEXTSTATE_TRAINER__BACKEND"] == "ray"
     for name, var in (("collector", "NEXTSTATE_COLLECTOR__ENGINE_URL"),
                       ("watcher", "NEXTSTATE_WATCHER__ENGINE_URL"),
                       ("judge", "NEXTSTATE_JUDGE__ENGINE_URL")):
@@ -447,7 +494,7 @@ def test_only_the_collector_is_published_beyond_loopback() -> None:
                 assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port}"
 
 
-@pytest.mark.parametrize("name", ["engine-cpu", "collector", "judge", "buffer", "trainer-cpu",
+@pytest.mark.parametrize("name", ["engine-cpu", "collector", "judge", "buffer", "trainer-cpu", "trainer-ray",
                                   "trainer-gpu", "watcher", "eval-engine-cpu", "evaluator", "envs", "ctl"])
 def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     module = dict((n, m) for n, _, m in ours())[name]
@@ -467,7 +514,8 @@ def test_nextstate_variables_are_settings_fields(name: str, monkeypatch: pytest.
 
 # Each service's own Redis ACL user (services/ctl/redis_acl.py).
 REDIS_ROLES = {"collector": "collector", "judge": "judge", "buffer": "buffer", "trainer-cpu": "trainer",
-               "trainer-gpu": "trainer", "watcher": "watcher", "evaluator": "evaluator", "envs": "envs",
+               "trainer-gpu": "trainer", "trainer-ray": "trainer", "watcher": "watcher", "evaluator": "evaluator",
+               "envs": "envs",
                "ctl": "ctl"}
 
 
@@ -486,6 +534,8 @@ def test_interpolation_helper() -> None:
     with pytest.raises(LookupError, match="E: need E"):
         interpolate("${E:?need E}", env)
     assert interpolate("${E?need E}", env) == ""
+    assert interpolate("${E:-${A}}/${B:-${E:-d}}", env) == "1/d"  # a default holding another variable
+    assert referenced_vars({"k": "${J:-${P:?set P}}"}) == {"J": ":-", "P": ":?"}
 
 
 
@@ -590,7 +640,7 @@ def test_the_evaluator_has_an_evaluation_engine_of_its_own() -> None:
     local_dir = env["NEXTSTATE_EVAL__LOCAL_DIR"]
     assert f"eval-checkpoints:{local_dir}" in evaluator["volumes"]
     cpu, gpu = svcs["eval-engine-cpu"], svcs["eval-engine-gpu"]
-    assert cpu["profiles"] == ["cpu", "vllm"] and gpu["profiles"] == ["gpu"]
+    assert cpu["profiles"] == ["cpu", "vllm", "ray"] and gpu["profiles"] == ["gpu"]
     for svc in (cpu, gpu):
         assert svc["networks"]["default"]["aliases"] == ["eval-engine"]
         assert f"eval-checkpoints:{local_dir}:ro" in svc["volumes"]
@@ -603,7 +653,8 @@ def test_the_evaluator_has_an_evaluation_engine_of_its_own() -> None:
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["device_ids"] == ["1"]
     assert "container_name" not in evaluator
-    assert json.loads(env["NEXTSTATE_EVAL__SUITES"]) == ["demo", "drift"]
+    assert parse_name_list(env["NEXTSTATE_EVAL__SUITES"]) == ["demo", "drift"]
+    assert env["NEXTSTATE_EVAL__SUITES"] == "demo,drift"  # survives a shell's `source .env`
 
 
 # .env.example's recipe for each of `nextstate up --mode`'s modes in compose.
@@ -620,7 +671,7 @@ MODE_RECIPES = {
 @pytest.mark.parametrize("mode", sorted(MODE_RECIPES))
 def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The judge, buffer and trainer that compose starts with the recipe load and get what
-    `nextstate up --mode` gives them (who writes hints and lessons is left to the user)."""
+    `nextstate up --mode` gives them without a judge model."""
     from services.ctl.up import MODES, mode_env
 
     assert set(MODE_RECIPES) == set(MODES)
@@ -630,7 +681,10 @@ def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.Monke
             assert f"{name}={value if name != 'JUDGE_TOPK' else '50'}" in text, name
     env = {**filled_example_env(), **MODE_RECIPES[mode]}
     svcs = compose(env)["services"]
-    want = mode_env(mode, 50, has_judge_model=True)
+    # As `up`: without a judge model (.env.example ships JUDGE_URL empty) hints and lessons
+    # come from the rule judge, never from the engine users talk to.
+    assert env["JUDGE_URL"] == ""
+    want = mode_env(mode, 50, has_judge_model=False)
     for name, module, role in (("judge", "services.judge", "judge"), ("buffer", "services.buffer", "buffer"),
                                ("trainer-cpu", "services.trainer", "trainer")):
         got = {k: str(v) for k, v in svcs[name]["environment"].items()}
@@ -639,15 +693,42 @@ def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.Monke
         check_settings_env(module, got, monkeypatch)  # the service accepts the combination
 
 
+def test_the_judge_model_has_an_engine_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profile `judge-model`: our CPU engine serving the judge model (default: the policy's base
+    weights; JUDGE_MODEL_DIR another folder) as `judge`, never the `engine` alias nor the
+    served checkpoints, published nowhere; the judges send it the internal token once
+    JUDGE_URL names it, and a hosted judge never gets the token."""
+    svcs = services()
+    jm = svcs["judge-model"]
+    assert jm["profiles"] == ["judge-model"] and python_module(jm["command"]) == "services.engine"
+    env = jm["environment"]
+    assert (env["NEXTSTATE_ENGINE__MODEL"], env["NEXTSTATE_ENGINE__SERVED_MODEL_NAME"]) == ("/models/judge", "judge")
+    assert jm["volumes"] == ["./models/policy:/models/judge:ro"]  # the policy's base weights, read-only
+    other = compose({**filled_example_env(), "JUDGE_MODEL_DIR": "/srv/qwen"})["services"]["judge-model"]
+    assert other["volumes"] == ["/srv/qwen:/models/judge:ro"]
+    assert "networks" not in jm and "ports" not in jm  # not `engine`, reachable only inside the stack
+    assert env["NEXTSTATE_INTERNAL__TOKEN"] == filled_example_env()["NEXTSTATE_INTERNAL__TOKEN"]
+    assert "30000" in " ".join(jm["healthcheck"]["test"])
+    judge = svcs["judge"]
+    assert judge["depends_on"]["judge-model"] == {"condition": "service_healthy", "required": False}
+    token = filled_example_env()["NEXTSTATE_INTERNAL__TOKEN"]
+    for url, key in (("http://judge-model:30000", token), ("https://api.example.com/v1", None)):
+        got = compose({**filled_example_env(), "JUDGE_URL": url, "JUDGE_MODEL": "judge"})["services"]["judge"]
+        settings = check_settings_env("services.judge", {k: str(v) for k, v in got["environment"].items()},
+                                      monkeypatch)
+        api_key = settings.judge.api_key  # type: ignore[attr-defined]
+        assert (api_key.get_secret_value() if api_key is not None else None) == key, url
+
+
 def test_the_lora_override_appends_the_engines_lora_flags_and_nothing_else() -> None:
-    """docker-compose.lora.yml repeats each engine's command with LoRA flags appended (compose
+    """deploy/compose/lora.yml repeats each engine's command with LoRA flags appended (compose
     replaces a command whole); the vLLM flags are shared/vllm_engine.py's with a LoRA rank;
     TRAINER_LORA switches the trainer and the clients."""
     from shared.vllm_engine import VLLMLaunch
 
     env = {**filled_example_env(), "TRAINER_LORA": "true", "TRAINER_LORA_RANK": "32"}
     base = compose(env)["services"]
-    lora = interpolate_tree(yaml.safe_load((REPO / "docker-compose.lora.yml").read_text()), env)["services"]
+    lora = interpolate_tree(yaml.safe_load((REPO / "deploy/compose/lora.yml").read_text()), env)["services"]
     assert set(lora) == {"engine-gpu", "eval-engine-gpu", "engine-vllm"}
     for name in ("engine-gpu", "eval-engine-gpu"):
         argv = [str(a) for a in lora[name]["command"]]

@@ -25,6 +25,8 @@ which runs, per recording (the commands are in `AGENTS` below):
   `models.providers.rec` in `$HOME/.openclaw/openclaw.json`, two messages in one session:
   `openclaw agent --local --session-id S --message "…" --json`, twice. First message: a
   tool call (`exec`) and its follow-up; second: text.
+- `openclaw-lean.jsonl`: the same on `openai-completions` with OpenClaw's lean setup
+  (`tools.profile: minimal`, `agents.defaults.contextInjection: never`, `skipBootstrap`).
 - `codex.jsonl`: `codex exec --skip-git-repo-check` with its default configuration (sandbox
   read-only, approval never) plus a custom provider (`wire_api = "responses"`), one task: a
   shell tool call (`exec_command`) and its follow-up. Codex's
@@ -35,7 +37,8 @@ which runs, per recording (the commands are in `AGENTS` below):
 
 The commands, configuration files and environment are those of tests/support/agents.py.
 
-One recording by hand: `python tests/data/agents/record.py --serve --port N --out F.jsonl
+`python tests/data/agents/record.py --sizes [--tokenizer MODEL_FOLDER]` prints the size of
+each recording's first prompt (in tokens as the collector renders it for that model). One recording by hand: `python tests/data/agents/record.py --serve --port N --out F.jsonl
 --tool exec --args '{"command": "ls"}'`, then point an agent at http://127.0.0.1:N.
 """
 
@@ -324,6 +327,8 @@ WORKSPACE_FILES = {"notes.txt": "buy milk\n", "hello.py": "print('hello')\n"}
 OPENCLAW_APIS = ("openai-completions", "openai-responses", "anthropic-messages")
 OPENCLAW_MESSAGES = ("List the files in your workspace with ls.", "Thanks! What is 2 + 2?")
 TASK = "List the files in this directory with ls, then tell me what you found."
+LEAN = {"tools": {"profile": "minimal"}}  # OpenClaw's lean setup, with LEAN_DEFAULTS
+LEAN_DEFAULTS = {"contextInjection": "never", "skipBootstrap": True}
 AGENTS: dict[str, tuple[str, dict[str, Any]]] = {  # recording -> (tool to call, its arguments)
     "openclaw": ("exec", {"command": "ls", "title": "List workspace files"}),
     "codex": ("exec_command", {"cmd": "ls"}),
@@ -352,8 +357,12 @@ def record(name: str, out_dir: Path, reply: str = "Done.") -> Path:
         runs: list[subprocess.CompletedProcess[str]] = []
         if kind == "openclaw":
             api = name.split("-", 1)[1]
-            config = A.openclaw_config(base, api, "rec-model")
+            lean = api == "lean"
+            config = A.openclaw_config(base, "openai-completions" if lean else api, "rec-model")
             config["agents"]["defaults"]["workspace"] = str(work)
+            if lean:
+                config.update(LEAN)
+                config["agents"]["defaults"].update(LEAN_DEFAULTS)
             A.write_openclaw_config(home, config)
             for message in OPENCLAW_MESSAGES:
                 runs.append(A.openclaw_turn(home, "rec-session", message, cwd=work))
@@ -372,12 +381,37 @@ def record(name: str, out_dir: Path, reply: str = "Done.") -> Path:
     return out
 
 
+def sizes(folder: Path, tokenizer: Path | None) -> None:
+    """Characters of each recording's first prompt (system prompt, messages, tools as JSON);
+    with `tokenizer` (an HF model folder), its prompt ids as the collector renders them."""
+    tpl = None
+    if tokenizer is not None:
+        from shared.chat import ChatTemplate
+
+        tpl = ChatTemplate.from_pretrained(tokenizer)
+    for path in sorted(folder.glob("*.jsonl")):
+        first = json.loads(path.open().readline())
+        body = first["body"]
+        parts = [body.get(k) for k in ("system", "instructions", "messages", "input", "tools")]
+        chars = sum(len(p) if isinstance(p, str) else len(json.dumps(p, ensure_ascii=False))
+                    for p in parts if p)  # fmt: skip
+        line = f"{path.stem}: {chars} characters, {len(body.get('tools') or [])} tools"
+        if tpl is not None:
+            from tests.support.agent_model import collector_conversation
+
+            messages, tools = collector_conversation(first["path"], body)
+            line += f", {len(tpl.encode(messages, tools))} prompt tokens"
+        print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--all", action="store_true", help="every recording of the docstring")
     ap.add_argument("names", nargs="*", help="openclaw-<api> | codex | claude")
     ap.add_argument("--serve", action="store_true", help="only serve and record (by hand)")
+    ap.add_argument("--sizes", action="store_true", help="each recording's first prompt: its size")
+    ap.add_argument("--tokenizer", type=Path, help="with --sizes: count its tokens with this model's")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--tool")
     ap.add_argument("--args", default="{}")
@@ -388,7 +422,10 @@ def main() -> None:
         print(f"recording to {a.out} on http://127.0.0.1:{server.server_address[1]}", flush=True)
         server.serve_forever()
         return
-    names = [*(f"openclaw-{api}" for api in OPENCLAW_APIS), "codex", "claude"] if a.all else a.names
+    if a.sizes:
+        sizes(a.out, a.tokenizer)
+        return
+    names = [*(f"openclaw-{api}" for api in OPENCLAW_APIS), "openclaw-lean", "codex", "claude"] if a.all else a.names
     for name in names:
         t0 = time.monotonic()
         path = record(name, a.out)
