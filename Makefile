@@ -111,6 +111,7 @@ images: docker
 	DOCKER_BUILDKIT=0 docker build -q $(IMAGE_ARGS) -f deploy/Dockerfile.light -t nextstate-light:latest .
 	DOCKER_BUILDKIT=0 docker build -q $(IMAGE_ARGS) -f deploy/Dockerfile.torch -t nextstate-torch:latest .
 	DOCKER_BUILDKIT=0 docker build -q $(IMAGE_ARGS) --build-arg EXTRAS=engine,trainer,ray \
+	  --build-arg "EXTRA_PACKAGES=ray[train]>=2.9" \
 	  -f deploy/Dockerfile.torch -t nextstate-torch:ray .
 
 # pytest exits 5 when it collected nothing: not a failure of the code. vLLM was installed

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,13 +90,13 @@ def main() -> None:
             **env, "NEXTSTATE_EVAL__ENGINE_URL": urls["eval"], "NEXTSTATE_EVAL__TOKENIZER": str(base),
             "NEXTSTATE_EVAL__BASE_MODEL": str(base), "NEXTSTATE_EVAL__LOCAL_DIR": str(work / "eval-ckpt"),
             "NEXTSTATE_EVAL__SAMPLES": str(args.samples), "NEXTSTATE_EVAL__DEMO_TASK": "vowel", "NEXTSTATE_EVAL__PORT": str(ev_port),
+            "NEXTSTATE_EVAL__BASELINE": "false",  # timed: the versions' evaluations, not the base's
             "NEXTSTATE_EVAL__CONSUMER_NAME": "evaluator"}).start())
         procs[-1].wait_http(f"http://127.0.0.1:{ev_port}/readyz", timeout=300)
         procs.append(ServiceProcess("watcher", {
             **env, "NEXTSTATE_WATCHER__ENGINE_URL": urls["engine"], "NEXTSTATE_WATCHER__POLL_INTERVAL_S": str(args.poll),
             "NEXTSTATE_WATCHER__LOCAL_DIR": str(work / "ckpt"), "NEXTSTATE_WATCHER__PORT": str(w_port),
-            "NEXTSTATE_GATE__ENABLED": "true", "NEXTSTATE_GATE__DELTA": "1.0",
-            "NEXTSTATE_GATE__DRIFT_MAX": "1000"}).start())
+            "NEXTSTATE_GATE__ENABLED": "true", "NEXTSTATE_GATE__DRIFT_MAX": "1000"}).start())
         procs[-1].wait_http(f"http://127.0.0.1:{w_port}/readyz", timeout=120)
         settings = Settings(run=env["NEXTSTATE_RUN"], redis={"url": rds.url, "prefix": env["NEXTSTATE_REDIS__PREFIX"]},
                             bucket={k.split("__")[1].lower(): v for k, v in s3.env().items()})
@@ -143,8 +144,8 @@ async def run_direct(eval_url: str, folder: Path, version: int, base: Path, cfg:
         assert ok, message
     ctx = EvalContext(run="direct", version=version, engine_url=eval_url, headers=bearer(TOKEN),
                       tokenizer=str(base), base_model=str(base), cfg=cfg)
-    for name in cfg.suites:
-        await resolve(name)(ctx)
+    for name in cfg.suites:  # each with the n the evaluator gives it
+        await resolve(name)(replace(ctx, cfg=cfg.model_copy(update={"samples": cfg.samples_for(name)})))
     return time.perf_counter() - t0
 
 

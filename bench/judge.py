@@ -9,6 +9,7 @@ output says where the machine's cores went. `--profile` also runs one worker und
 cProfile and prints the top functions.
 
 Usage: python bench/judge.py [--turns 3000] [--latency 0.1] [--concurrency 200] [--profile]
+       python bench/judge.py --collapse-window 3   # the reward-collapse window's CPU, off vs on
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import io
 import os
 import pstats
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,14 +101,14 @@ def start_worker(env: dict[str, str], name: str, profile: Path | None) -> tuple[
 
 
 def run(args: argparse.Namespace, redis_url: str, standin_url: str, workers: int,
-        profile: Path | None = None) -> dict[str, float]:  # fmt: skip
+        profile: Path | None = None, extra: dict[str, str] | None = None) -> dict[str, float]:  # fmt: skip
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     keys = Keys(prefix)
     env = {
         "NEXTSTATE_ENV": "test", "NEXTSTATE_REDIS__URL": redis_url, "NEXTSTATE_REDIS__PREFIX": prefix,
         "NEXTSTATE_JUDGE__URL": standin_url, "NEXTSTATE_JUDGE__VOTES": "3",
         "NEXTSTATE_JUDGE__CONCURRENCY": str(args.concurrency), "NEXTSTATE_JUDGE__TIMEOUT_S": "30",
-        "NEXTSTATE_LOG__LEVEL": "WARNING", "NEXTSTATE_STREAMS__READ_COUNT": "256",
+        "NEXTSTATE_LOG__LEVEL": "WARNING", "NEXTSTATE_STREAMS__READ_COUNT": "256", **(extra or {}),
     }  # fmt: skip
     r = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=30)
     turns = make_turns(args.turns, prefix)
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace, redis_url: str, standin_url: str, workers: int
                 p.kill()
                 p.wait(5)
     with contextlib.suppress(Exception):
-        r.delete(keys.turns, keys.scored)
+        r.delete(keys.turns, keys.scored, keys.reward_window, keys.reward_window_turns, keys.reward_alarm)
     r.close()
     return {"elapsed": elapsed, "rate": args.turns / elapsed, "steady": steady, "judge_cpu": sum(cpu),
             "t10": marks.get(0.1, 0.0), "t90": marks.get(0.9, elapsed), "retries": retries}
@@ -182,6 +184,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=200, help="turns in flight per worker (x3 calls)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4])
     p.add_argument("--profile", action="store_true", help="also profile one worker with cProfile")
+    p.add_argument("--collapse-window", type=int, default=0, metavar="ROUNDS",
+                   help="instead: 1 worker with the reward-collapse window off and on, ROUNDS rounds "
+                        "interleaved; judge and Redis CPU per turn, on as a ratio of off")
     args = p.parse_args()
 
     server = RedisServer().start()
@@ -197,7 +202,29 @@ def main() -> None:
         server.close()
 
 
+def window_cost(args: argparse.Namespace, server: RedisServer, standin_url: str) -> None:
+    """The reward-collapse window's price: one script per published turn (services/judge/collapse.py)."""
+    redis_pid = server.proc.pid if server.proc else 0
+    per: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+    for i in range(args.collapse_window):
+        for arm in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            r0 = cpu_seconds(redis_pid)
+            res = run(args, server.url, standin_url, 1,
+                      extra={"NEXTSTATE_JUDGE__COLLAPSE_WINDOW": "0"} if arm == "off" else None)
+            per[arm].append((1000 * res["judge_cpu"] / args.turns, 1000 * (cpu_seconds(redis_pid) - r0) / args.turns))
+    med = {arm: (statistics.median(j for j, _ in v), statistics.median(r for _, r in v)) for arm, v in per.items()}
+    print(f"  collapse window, 1 worker, {args.collapse_window} rounds (median CPU ms per turn): off: judge "
+          f"{med['off'][0]:.2f}, redis {med['off'][1]:.2f}; on: judge {med['on'][0]:.2f}, redis "
+          f"{med['on'][1]:.2f}; judge on/off {med['on'][0] / med['off'][0]:.3f}x, judge+redis "
+          f"{sum(med['on']) / sum(med['off']):.3f}x; load avg {os.getloadavg()[0]:.1f}")
+    print(f"  python bench/judge.py --collapse-window {args.collapse_window} --turns {args.turns} "
+          f"--latency {args.latency} --concurrency {args.concurrency}")
+
+
 def bench(args: argparse.Namespace, server: RedisServer, standin: subprocess.Popen[bytes], standin_url: str) -> None:
+    if args.collapse_window:
+        window_cost(args, server, standin_url)
+        return
     print(f"judge bench: {args.turns} turns, m=3, stand-in latency {args.latency * 1000:.0f} ms, "
           f"{args.concurrency} turns ({args.concurrency * 3} calls) in flight per worker, "
           f"{os.cpu_count()} CPUs")  # fmt: skip

@@ -10,8 +10,9 @@ correction the demo's simulated user replies when an answer misses it:
 `QUESTIONS` are the ones the demo asks (so the policy trains on them); `HELD_OUT_QUESTIONS`
 are never asked by the demo, so the `demo` suite measures whether the criterion was
 learned, not the answers to twenty questions. Both lists are append-only: the demo draws
-from `QUESTIONS` with a seeded RNG and the suite takes held-out questions by index, so a
-change of either changes what a seed means.
+from `QUESTIONS` with a seeded RNG and the suite takes held-out questions in a seeded
+order of the whole list, so a change of either changes what a seed means (versions of a
+run are compared on the same tasks only when they were scored by the same code).
 """
 
 from __future__ import annotations
@@ -55,6 +56,60 @@ HELD_OUT_QUESTIONS = (
     "Who was the first person to walk on the Moon?", "What is the fastest land animal?",
     "Which element has the symbol O?", "How many colors are in a rainbow?",
     "What is the capital of Egypt?", "What tool measures temperature?",
+    # 112 more, so that the suite can ask the n its gate needs (bench/gate_power.py)
+    "What is the capital of Germany?", "How many legs does an insect have?",
+    "What color are ripe bananas?", "Which planet is closest to the Sun?", "What is 15 plus 27?",
+    "Who wrote Hamlet?", "What is the chemical symbol for iron?",
+    "How many teeth does an adult human usually have?", "What is the capital of Spain?",
+    "Which animal is the largest bird?", "What do cows drink?", "How many days are in a week?",
+    "What is the main gas in the air we breathe?", "What is 6 times 7?",
+    "Which country is famous for the Eiffel Tower?", "What do you call a baby dog?",
+    "What is the capital of Russia?", "How many months have 31 days?",
+    "What fruit is dried to make raisins?", "Which ocean lies between Europe and America?",
+    "What is the tallest animal?", "What is 81 divided by 9?", "Who invented the telephone?",
+    "What is the capital of China?", "How many hearts does an octopus have?",
+    "What color do you get by mixing blue and yellow?",
+    "Which instrument has six strings and a hollow body?", "What is the largest country by area?",
+    "How many centimeters are in a meter?", "What do bees collect from flowers?",
+    "What is the capital of India?", "What is the largest moon of Saturn?",
+    "What is the boiling point of water in Fahrenheit?", "What language is spoken in Argentina?",
+    "How many sides does a pentagon have?", "What is the capital of Greece?",
+    "Which animal is known for its black and white stripes?", "What is 3 cubed?",
+    "Who painted The Starry Night?", "What is the capital of Portugal?",
+    "How many seconds are in a minute?", "What is the opposite of up?",
+    "Which organ do we use to breathe?", "What is the largest ocean animal?",
+    "What is the capital of Brazil?", "How many wheels does a bicycle have?",
+    "What do plants need from the Sun to grow?", "What is 50 minus 18?",
+    "Which metal is used in electrical wires most often?", "What is the capital of Kenya?",
+    "What is a young sheep called?", "How many years are in a century?",
+    "What is the national language of Japan?", "Which direction does the Sun rise in?",
+    "What is the capital of Norway?", "How many planets are in the solar system?",
+    "What is the main food of koalas?", "What is 7 plus 9?", "Who wrote Pride and Prejudice?",
+    "What is the capital of Turkey?", "Which shape has four equal sides?",
+    "What is the chemical symbol for sodium?", "What do frogs start life as?",
+    "What is the capital of Sweden?", "How many grams are in a kilogram?",
+    "Which bird cannot fly but swims well?",
+    "What is the largest internal organ of the human body?", "What is 11 times 11?",
+    "What is the capital of Peru?", "Which season is the hottest?", "What do you call frozen rain?",
+    "How many zeros are in one million?", "What is the capital of Ireland?",
+    "Which planet is known for its Great Red Spot?", "What is the main ingredient of bread?",
+    "What is 64 divided by 8?", "Who developed the theory of relativity?",
+    "What is the capital of Thailand?", "How many sides does an octagon have?",
+    "What animal says moo?", "What is the currency of Japan?", "What is the capital of Argentina?",
+    "Which gas makes soda fizzy?", "What is the smallest planet in the solar system?",
+    "How many hours are in a week?", "What is 20 percent of 50?", "What is the capital of Poland?",
+    "Which animal has a long trunk?", "What is the color of chlorophyll?",
+    "What is the capital of Vietnam?", "How many players are on a basketball team on the court?",
+    "Which continent is Brazil in?", "What is 13 plus 29?",
+    "What is the hottest planet in the solar system?", "What is the capital of Chile?",
+    "What do you call a baby horse?", "Which vitamin is found in oranges?",
+    "What is the capital of the Netherlands?", "How many days are in February in a common year?",
+    "What is the freezing point of water in Celsius?", "What is the capital of South Korea?",
+    "Which animal is known as man's best friend?", "What is 1000 divided by 10?",
+    "Who was the first president of the United States?", "What is the capital of Cuba?",
+    "How many lungs does a human have?", "Which is the longest river in South America?",
+    "What is the capital of Morocco?", "What do spiders spin?", "What is 25 times 4?",
+    "What is the capital of Finland?", "Which planet do we live on?",
 )  # fmt: skip
 
 

@@ -12,6 +12,10 @@ trainer's retention keeps, beside its newest versions:
 
 The gate writes its rule (`config`) when it starts, so this holds from the first version
 on; without a `config` field there is no gate and retention is the trainer's own.
+
+`current` is the version the gate has the engine serve (None: nothing promoted, the
+engine keeps the weights it started with): the trainer never drops a sample of the
+policy users get now, however stale (services/trainer/service.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class GateView:
     wait_s: float  # how long the gate waits for a version's results before refusing it
     decided: frozenset[int]  # versions with a decision (promoted, refused, rolled back)
     serving: frozenset[int]  # what it serves, and the promoted version before it
+    current: int | None = None  # what it serves (None: nothing promoted yet)
 
 
 def gate_view(raw: dict[str, str]) -> GateView | None:
@@ -55,6 +60,7 @@ def gate_view(raw: dict[str, str]) -> GateView | None:
         if decision == "promoted":
             promoted.append(version)
     serving = set(sorted(promoted)[-2:])
-    if raw.get("serving", "").isdigit():
-        serving.add(int(raw["serving"]))
-    return GateView(wait_s, frozenset(decided), frozenset(serving))
+    current = int(raw["serving"]) if raw.get("serving", "").isdigit() else None
+    if current is not None:
+        serving.add(current)
+    return GateView(wait_s, frozenset(decided), frozenset(serving), current)

@@ -255,6 +255,12 @@ class Keys:
         """Set (NX) when an evaluation job id was enqueued: enqueuing twice runs it once."""
         return f"{self.prefix}:eval-enqueued:{job_id}"
 
+    def model_eval(self, job_id: str) -> str:
+        """Hash of one evaluation of a model outside the run (`nextstate eval run --model`),
+        written by the evaluator for the CLI that waits on it: `state` (running, retrying,
+        done, failed), `attempt`, `error`, `result` (the EvalResult JSON), `at`; with a TTL."""
+        return f"{self.prefix}:model-eval:{job_id}"
+
     @property
     def gate_state(self) -> str:
         """Hash written by the watcher's gate: `promoted` (JSON list of promoted versions,

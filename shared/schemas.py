@@ -421,6 +421,10 @@ class EvalResult(Message):
     duration_s: float = 0.0
     engine: str = ""  # the evaluation engine that served the candidate
     worker: str = ""
+    # Set for a model outside the run's lineage (`nextstate eval run --model PATH` or
+    # `--version RUN:V`): its label. Such a result is stored beside the run's versions in
+    # the bucket and never published on `evals` (no gate sees it); `version` is then 0.
+    model: str | None = None
 
 
 def eval_job_id(run: str, version: int, suite: str) -> str:
@@ -428,18 +432,53 @@ def eval_job_id(run: str, version: int, suite: str) -> str:
     return f"eval.{run}.v{version:06d}.{suite}"
 
 
+class SuiteTest(BaseModel):
+    """How the gate decided one suite of a version (services/watcher/gate_rules.py).
+
+    test: mcnemar_exact | paired_bootstrap   paired with the best version (`against`) on
+              the `n` tasks both were scored on; `p_value` of "not worse", refused below `alpha`
+          threshold   no per-task results to pair: score >= best - delta (`effect` = score - best)
+          limit       a lower-is-better suite (drift): score <= the limit
+          none        no baseline to compare with yet: passes
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    test: Literal["mcnemar_exact", "paired_bootstrap", "threshold", "limit", "none"]
+    passed: bool
+    n: int = Field(0, ge=0)
+    p_value: float | None = None
+    alpha: float | None = None
+    effect: float | None = None  # candidate - best (mean over the paired tasks)
+    against: int | None = None  # the version compared with (0: the base model)
+    lost: int | None = None  # McNemar: tasks the best passes and the candidate fails
+    gained: int | None = None  # ... and the other way round
+
+
 class Promotion(Message):
-    """The gate's decision on a version: served (`promoted`), not served (`refused`), or
-    served and then taken back (`rolled_back`), with the reasons and the scores seen."""
+    """The gate's decision on a version: served (`promoted`), not served (`refused`), served
+    and then taken back (`rolled_back`), or never evaluated because a newer version was
+    (`skipped`), with the reasons, the scores seen and, per suite, the test that decided.
+
+    schema_version 2 added `tests` and `skipped`; a version-1 message (no tests) still
+    parses, so readers take both."""
 
     type: Literal["promotion"] = "promotion"
+    schema_version: Literal[1, 2] = 2  # type: ignore[assignment]  # wider than Message's
     run: str
     version: int = Field(ge=0)
-    decision: Literal["promoted", "refused", "rolled_back"]
+    decision: Literal["promoted", "refused", "rolled_back", "skipped"]
     reasons: list[str] = Field(default_factory=list)
     scores: dict[str, float] = Field(default_factory=dict)  # suite -> score of this version
-    baseline: dict[str, float] = Field(default_factory=dict)  # suite -> best served score
+    baseline: dict[str, float] = Field(default_factory=dict)  # suite -> the best's score
     serving: int | None = None  # what the engine serves after the decision
+    tests: dict[str, SuiteTest] = Field(default_factory=dict)  # suite -> how it was decided
+
+    @model_validator(mode="after")
+    def _v1_has_no_tests(self) -> Promotion:
+        if self.schema_version == 1 and (self.tests or self.decision == "skipped"):
+            raise ValueError("schema_version 1 has no `tests` and no `skipped` decision: write 2")
+        return self
 
 
 # Episode sessions (track 2) have session ids starting so: the buffer holds their scored

@@ -32,6 +32,7 @@ What every start gets, and why:
   cores the machine shares with the rest of the stack (vLLM's `auto` binds one per core).
 - HF_HUB_OFFLINE=1: a weights path that does not exist is never looked up on a model hub.
 - `--served-model-name policy`, `--disable-log-stats`: one name for every version; quiet logs.
+  (`up --judge-model` serves its judge model as `judge`, on a vLLM server of its own.)
 - with LoRA versions (`lora_rank`): `--enable-lora --max-lora-rank R --max-loras 2` and
   VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which opens `/v1/load_lora_adapter` and
   `/v1/unload_lora_adapter` (the CPU build serves LoRA: checked against 0.32, log-probs of base
@@ -116,12 +117,13 @@ class VLLMLaunch(BaseModel):
     def from_env(cls) -> VLLMLaunch:
         return cls.from_choice(EngineChoiceSettings().engine)
 
-    def command(self, model: Path, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
-        """The argv and the environment additions that serve `model` on `port`."""
+    def command(self, model: Path, port: int, host: str = "127.0.0.1",
+                served_name: str = SERVED_NAME) -> tuple[list[str], dict[str, str]]:
+        """The argv and the environment additions that serve `model` on `port` as `served_name`."""
         max_len = self.context_length or min(4096, _model_max_len(model) or 4096)
         argv = [
             self.python, "-m", "services.vllm",
-            "--model", str(model), "--served-model-name", SERVED_NAME,
+            "--model", str(model), "--served-model-name", served_name,
             "--host", host, "--port", str(port),
             "--dtype", self.dtype, "--enforce-eager",
             "--max-model-len", str(max_len), "--max-num-seqs", str(self.max_running),

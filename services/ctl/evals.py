@@ -2,16 +2,21 @@
 
     nextstate eval show [--json]                 per version: each suite's score with its
                                                  interval and n, promoted / refused / rolled
-                                                 back and why
+                                                 back / skipped and why (the paired test, its
+                                                 p-value, n and effect against the best)
     nextstate eval plot -o curve.png             the learning curve: each suite's score per
                                                  version, and the mean reward of the training
                                                  samples per policy version (`batches`)
     nextstate eval run VERSION [--suite S] [--samples N]
                                                  request a (larger) evaluation of VERSION
+    nextstate eval run --model PATH | --version RUN:V [--suite S…]
+                                                 evaluate a model outside the run beside its
+                                                 versions, never gated (eval_models.py)
 
 Results come from the `evals` stream and the bucket (`evals/<run>/v…/<suite>.json`, which
 outlives the stream's trimming); per version and suite the one the gate uses counts (the
-newest, unless it rests on fewer samples). Decisions come from the gate's `gate-state`
+newest, unless it rests on fewer samples); a model's results (`evals/<run>/models/…`) are
+listed after the versions, the newest per suite. Decisions come from the gate's `gate-state`
 and the `promotions` stream, the newest of either. The bucket is optional: without it
 (no credentials, not reachable) the stream alone is shown, and stderr says why.
 """
@@ -55,12 +60,17 @@ def register(sub: Any) -> None:
     plot.add_argument("-o", "--output", type=Path, default=Path("curve.png"), help="the PNG to write")
     plot.set_defaults(func=plot_cmd)
     run = cmds.add_parser("run", parents=[common],
-                          help="request an evaluation of a version (e.g. with more samples)")
-    run.add_argument("version", type=int)
-    run.add_argument("--suite", action="append", help="a suite (repeatable; default: the gate's suites)")
+                          help="request an evaluation of a version (e.g. with more samples), or of any model "
+                               "beside the run (--model, --version)")
+    run.add_argument("version", type=int, nargs="?", help="a version of this run (the gate sees its result)")
+    run.add_argument("--suite", action="extend", nargs="+",
+                     help="suites (repeatable; default: the gate's suites)")
     run.add_argument("--samples", type=int, help="tasks / prompts (default: the evaluator's)")
     run.add_argument("--timeout", type=float, default=900.0, help="job timeout in seconds (default 900)")
     run.add_argument("--retries", type=int, default=2, help="retries of a failed job (default 2)")
+    from services.ctl.eval_models import add_arguments
+
+    add_arguments(run)
     run.set_defaults(func=run_cmd)
 
 
@@ -113,9 +123,13 @@ async def collect(bus: Bus, run: str, extra: list[EvalResult]) -> dict[str, Any]
             results.append(EvalResult.from_json(data))
         except MalformedMessage:
             continue
-    versions: dict[int, dict[str, Any]] = defaultdict(lambda: {"suites": {}, "decision": None,
-                                                               "reasons": [], "decided_at": None})
+    versions: dict[int, dict[str, Any]] = defaultdict(lambda: {"suites": {}, "decision": None, "reasons": [],
+                                                               "tests": {}, "decided_at": None})
+    models: dict[str, dict[str, Any]] = defaultdict(dict)  # label -> suite -> the newest result
     for r in sorted((r for r in results if r.run == run), key=lambda r: r.created_at):
+        if r.model is not None:
+            models[r.model][r.suite] = _row(r)
+            continue
         suites = versions[r.version]["suites"]
         if _kept(suites.get(r.suite), r):
             suites[r.suite] = _row(r)
@@ -125,7 +139,7 @@ async def collect(bus: Bus, run: str, extra: list[EvalResult]) -> dict[str, Any]
             try:
                 rec = json.loads(raw)
                 _decide(versions, int(rec["version"]), rec.get("decision"), rec.get("reasons") or [],
-                        rec.get("decided_at"), None)
+                        rec.get("decided_at"), None, dict(rec.get("tests") or {}))
             except (ValueError, KeyError, TypeError):
                 continue
     for data in await stream_messages(bus, keys.promotions):
@@ -134,17 +148,19 @@ async def collect(bus: Bus, run: str, extra: list[EvalResult]) -> dict[str, Any]
         except MalformedMessage:
             continue
         if p.run == run:
-            _decide(versions, p.version, p.decision, p.reasons, p.created_at, p.serving)
+            _decide(versions, p.version, p.decision, p.reasons, p.created_at, p.serving,
+                    {suite: t.model_dump() for suite, t in p.tests.items()})
     return {"run": run, "gate": _gate_summary(gate_raw),
-            "versions": [{"version": v, **versions[v]} for v in sorted(versions)]}
+            "versions": [{"version": v, **versions[v]} for v in sorted(versions)],
+            "models": [{"model": m, "suites": models[m]} for m in sorted(models)]}
 
 
 def _decide(versions: dict[int, dict[str, Any]], version: int, decision: str | None, reasons: list[str],
-            at: float | None, serving: int | None) -> None:
+            at: float | None, serving: int | None, tests: dict[str, Any]) -> None:
     row = versions[version]
     if decision is None or (row["decided_at"] is not None and (at or 0) < row["decided_at"]):
         return
-    row.update(decision=decision, reasons=list(reasons), decided_at=at)
+    row.update(decision=decision, reasons=list(reasons), decided_at=at, tests=tests)
     if serving is not None:
         row["serving_after"] = serving
 
@@ -190,7 +206,8 @@ def render(data: dict[str, Any]) -> str:
     gate = data.get("gate")
     if gate:
         cfg = gate.get("config") or {}
-        rule = (f"suites {','.join(cfg.get('suites', []))}, delta {cfg.get('delta')}, drift <= "
+        test = f"paired test at alpha {cfg['alpha']}" if cfg.get("alpha") is not None else f"delta {cfg.get('delta')}"
+        rule = (f"suites {','.join(cfg.get('suites', []))}, {test}, drift <= "
                 f"{cfg.get('drift_max')}, wait {cfg.get('wait_s')}s") if cfg else "rule unknown"
         serving = "-" if gate.get("serving") is None else f"v{gate['serving']}"
         lines = [f"run {data['run']}   gate: serving {serving}, promoted "
@@ -209,7 +226,18 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"v{row['version']:<5} {decision:<12} {scores or '(no results)'}")
         if row["reasons"]:
             lines.append(f"{'':20}why: {'; '.join(row['reasons'])}")
+    if data.get("models"):
+        lines.append("models beside the run (`eval run --model/--version`; never gated):")
+        lines += [f"  {m['model']:<17} {_scores(m['suites'])}" for m in data["models"]]
     return "\n".join(lines)
+
+
+def _scores(suites: dict[str, dict[str, Any]]) -> str:
+    return "   ".join(
+        f"{suite} {_num(s['score'])}"
+        + (f" [{_num(s['ci_low'])}, {_num(s['ci_high'])}]" if s["ci_low"] is not None else "")
+        + f" n={s['n']}"
+        for suite, s in sorted(suites.items()))
 
 
 def show_cmd(args: argparse.Namespace) -> int:
@@ -237,8 +265,9 @@ async def rewards(bus: Bus, run: str) -> dict[int, float]:
     return {v: total[v] / count[v] for v in sorted(count)}
 
 
+MODEL_STYLES = ["--", ":", "-.", (0, (5, 1))]  # a model beside the run: a line across its suite's panel
 MARKERS = {"base": ("s", "tab:gray"), "promoted": ("o", "tab:green"), "refused": ("x", "tab:red"),
-           "rolled_back": ("v", "tab:orange"), "undecided": (".", "tab:gray")}
+           "rolled_back": ("v", "tab:orange"), "skipped": ("+", "tab:gray"), "undecided": (".", "tab:gray")}
 
 
 def draw(data: dict[str, Any], reward: dict[int, float], output: Path) -> None:
@@ -249,7 +278,8 @@ def draw(data: dict[str, Any], reward: dict[int, float], output: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    suites = sorted({s for row in data["versions"] for s in row["suites"]})
+    models = data.get("models") or []
+    suites = sorted({s for row in [*data["versions"], *models] for s in row["suites"]})
     panels = len(suites) + 1
     fig, axes = plt.subplots(panels, 1, sharex=True, figsize=(9, 2.6 * panels), squeeze=False)
     for ax, suite in zip(axes[:, 0], suites, strict=False):
@@ -265,7 +295,12 @@ def draw(data: dict[str, Any], reward: dict[int, float], output: Path) -> None:
             pts = [(v, s["score"]) for v, s, d in rows if d == decision]
             if pts:
                 ax.scatter(*zip(*pts, strict=True), marker=marker, color=color, zorder=2, label=decision)
-        better = "higher" if all(s["higher_is_better"] for _, s, _ in rows) else "lower"
+        beside = [(m["model"], m["suites"][suite]) for m in models if suite in m["suites"]]
+        for i, (name, s) in enumerate(beside):
+            ax.axhline(s["score"], linestyle=MODEL_STYLES[i % len(MODEL_STYLES)], color="tab:brown", alpha=0.8,
+                       zorder=1, label=name)
+        scored = [s for _, s, _ in rows] + [s for _, s in beside]
+        better = "higher" if all(s["higher_is_better"] for s in scored) else "lower"
         ax.set_ylabel(f"{suite}\n({better} is better)")
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
@@ -295,16 +330,23 @@ def plot_cmd(args: argparse.Namespace) -> int:
     run = args.run or settings.run
     data = asyncio.run(gather(settings, run, batches=True))
     reward: dict[int, float] = data.pop("reward")
-    if not data["versions"] and not reward:
+    if not data["versions"] and not reward and not data["models"]:
         raise NextstateError(f"nothing to plot for run {run}: no evaluation results and no training batches")
     draw(data, reward, args.output)
+    beside = f", {len(data['models'])} model(s) beside it" if data["models"] else ""
     print(f"wrote {args.output} ({len(data['versions'])} evaluated version(s), "
-          f"{len(reward)} policy version(s) with training samples)")
+          f"{len(reward)} policy version(s) with training samples{beside})")
     return 0
 
 
 # -- run ------------------------------------------------------------------------------------------
 def run_cmd(args: argparse.Namespace) -> int:
+    if args.model is not None or args.source is not None:
+        from services.ctl.eval_models import run_model_cmd
+
+        return run_model_cmd(args)
+    if args.version is None:
+        raise NextstateError("give VERSION (of this run), --model PATH or --version RUN:V")
     try:
         from shared.evaljobs import enqueue_eval, rq_connection
     except ImportError:

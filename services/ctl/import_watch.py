@@ -196,7 +196,10 @@ class Watch:
     def renew(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._renewed < LOCK_TTL_S / 3:
             return
-        if self.r.get(self.lock) != self.owner:
+        held = self.r.get(self.lock)
+        if held is None and self.r.set(self.lock, self.owner, nx=True, ex=LOCK_TTL_S):
+            held = self.owner  # it expired (a long stall) or Redis lost it: ours again
+        if held != self.owner:
             raise NextstateError(f"the lock of watch {self.name} was taken by another importer; stopping")
         self.r.expire(self.lock, LOCK_TTL_S)
         self._renewed = time.monotonic()

@@ -54,6 +54,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | a rollback's rebase request: GET SET | `P:lineage-base` |
 | | unreadable results: XADD | `P:dead` (write only) |
 | evaluator | consume group `evaluator` (as the judge's) | `P:checkpoints`, `P:done:evaluator:*` |
+| | the state of a model's evaluation (`eval run --model`), for the CLI waiting on it: HSET EXPIRE | `P:model-eval:*` (write only) |
 | | enqueue evaluations (below), publish results: XADD | `P:evals` (write only) |
 | | dead letters: XADD | `P:dead` (write only) |
 | | its rq worker on queue `Q` = `P-eval` (below) | `rq:…` of that queue only |
@@ -302,6 +303,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
             *enqueue_episodes(k),
             Grant(("scard",), _r(f"rq:workers:{k.envs_queue}")),
             Grant(("hgetall", "hlen"), _r(k.eval_episodes("*"))),
+            Grant(("hset", "expire"), _w(k.model_eval("*"))),  # `eval run --model`: its job's state
         ]
     if role == "envs":
         out = k.outcomes

@@ -93,7 +93,9 @@ def summarize(msg: Message) -> str:
                 f"took={msg.duration_s:.1f}s")
     if isinstance(msg, Promotion):
         serving = "-" if msg.serving is None else msg.serving
-        return (f"run={msg.run} version={msg.version} decision={msg.decision} serving={serving} "
+        tests = "".join(f" {suite}={t.test}" + (f":p={t.p_value:.3g}" if t.p_value is not None else "")
+                        for suite, t in sorted(msg.tests.items()))
+        return (f"run={msg.run} version={msg.version} decision={msg.decision} serving={serving}{tests} "
                 f"reasons={'; '.join(msg.reasons)[:200]!r}")
     if isinstance(msg, Replay):
         return f"session={msg.session_id} reason={msg.reason}"

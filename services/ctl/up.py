@@ -7,8 +7,12 @@ write) and SeaweedFS as the S3 bucket — unless `NEXTSTATE_REDIS__URL` /
 each other nor the engine: the engine (ours, or with `--engine vllm` /
 NEXTSTATE_ENGINE__KIND=vllm the real vLLM from its own venv, `make vllm`, started as
 shared/vllm_engine.py says; the collector, judge and watcher then speak vLLM's API to it,
-the evaluation engine stays ours), buffer, trainer and the evaluation engine (a second
-engine on the same model that loads candidates, `eval-engine`); then, at once, what talks
+the evaluation engine stays ours), buffer, trainer, the evaluation engine (a second
+engine on the same model that loads candidates, `eval-engine`) and, with `--judge-model
+PATH|policy`, the judge model's engine (`judge-model`: ours, or vLLM with `--engine vllm`;
+`policy` serves the policy's base weights, on this engine of its own, never the serving
+one: judging neither slows the users nor sees a trained policy; nothing else waits for it,
+and the judges start once it answers); then, at once, what talks
 to those: collector, judge ×N, watcher and the evaluator, which evaluates each committed
 version on the evaluation engine (suites `demo` and `drift`, plus `simulated-user` played
 by the judge model when NEXTSTATE_JUDGE__URL is set, and `env:<name>` for each
@@ -19,7 +23,7 @@ cores (`bench/up_start.py`). Logs are prefixed with the service name; Ctrl-C sto
 everything, a group at a time in reverse.
 
 Degrade, never fall: Redis, the bucket, the engine and the collector are the serving
-path, and `up` fails if one of them cannot start. The training side (judges, buffer,
+path, and `up` fails if one of them cannot start. The training side (judges, judge-model engine, buffer,
 trainer, watcher, evaluation engine, evaluator, envs workers) may fail to start or keep crashing: it is
 restarted with backoff,
 forever, and shown in `nextstate status` (the supervisor writes each process's state
@@ -53,7 +57,8 @@ With `--lora R` the trainer trains LoRA adapters (rank R, alpha 2R, lr LORA_LR u
 the served adapter in their requests (docs/weights.md).
 
 Every `NEXTSTATE_*` variable in the environment still applies to the services (it wins
-over the defaults chosen here); the flags below win over both.
+over the defaults chosen here); the flags below win over both (`--judge-model` sets the
+judges' URL, model name and key: the judge-model engine's, with the internal token).
 """
 
 from __future__ import annotations
@@ -84,7 +89,14 @@ from shared.settings import Settings, load_settings
 from shared.vllm_engine import EngineChoiceSettings, VLLMLaunch
 
 PORTS = {"collector": 8000, "engine": 30000, "buffer": 8200, "judge": 9102, "trainer": 9103,
-         "watcher": 9104, "eval-engine": 30001, "evaluator": 9105, "envs": 9106, "redis": 6390, "s3": 8333}
+         "watcher": 9104, "eval-engine": 30001, "judge-model": 30002, "evaluator": 9105, "envs": 9106,
+         "redis": 6390, "s3": 8333}
+JUDGE_SERVED_NAME = "judge"  # the judge-model engine's model name (NEXTSTATE_JUDGE__MODEL)
+# The judges' defaults with a judge model of the stack's own, on CPU (their NEXTSTATE_JUDGE__*
+# win): turns in flight × votes within the engine's 16 running and its queue, answers of a
+# few sentences and a box, and time for them at a few tokens per second on shared cores.
+LOCAL_JUDGE = {"NEXTSTATE_JUDGE__CONCURRENCY": "8", "NEXTSTATE_JUDGE__MAX_TOKENS": "256",
+               "NEXTSTATE_JUDGE__TIMEOUT_S": "180"}
 
 
 def register(sub: Any) -> None:
@@ -96,8 +108,8 @@ def register(sub: Any) -> None:
     p.add_argument("--envs", type=int, default=0,
                    help="environment worker processes: episodes run in parallel (`nextstate envs run`)")
     p.add_argument("--judge", default=None,
-                   help="prm | rule | rule+prm | module:callable (default: prm when "
-                        "NEXTSTATE_JUDGE__URL is set, else rule)")
+                   help="prm | rule | rule+prm | module:callable (default: prm with --judge-model or "
+                        "NEXTSTATE_JUDGE__URL, else rule)")
     p.add_argument("--mode", choices=list(MODES), default="rl",
                    help="the learning method (docs/methods.md): rl (judge reward), opd (hint teacher, "
                         "advantage teacher - behaviour), opd-topk (hint teacher, top-K distillation), "
@@ -119,6 +131,10 @@ def register(sub: Any) -> None:
     p.add_argument("--engine", choices=["cpu", "vllm"], default=None,
                    help="the serving engine: cpu (ours, the default) or vllm (its CPU build, from "
                         "`make vllm`; NEXTSTATE_ENGINE__KIND)")
+    p.add_argument("--judge-model", metavar="PATH|policy", default=None,
+                   help="serve a judge model (the PRM, the hints, the lessons) on an engine of its own "
+                        "(`judge-model`: ours, or vLLM with --engine vllm) and point the judges at it: an "
+                        "HF folder, or `policy` for the policy's base weights (never the serving engine)")
     p.add_argument("--gate", action="store_true",
                    help="serve a version only once its evaluations pass (NEXTSTATE_GATE__ENABLED)")
     p.add_argument("--lora", type=int, default=None, metavar="R",
@@ -190,6 +206,11 @@ def main(args: argparse.Namespace) -> int:
     if not (model / "config.json").is_file():
         print(f"nextstate up: {model} is not an HF model folder (no config.json)", file=sys.stderr)
         return 1
+    judge_model = judge_model_path(args.judge_model, model)
+    if judge_model is not None and not (judge_model / "config.json").is_file():
+        print(f"nextstate up: --judge-model {judge_model} is not an HF model folder (no config.json); "
+              "give an HF folder, or `policy` for the policy's base weights", file=sys.stderr)
+        return 1
     try:
         choice = load_settings(EngineChoiceSettings).engine
         if args.engine is not None:
@@ -207,6 +228,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"nextstate up: {exc}", file=sys.stderr)
         return 1
     return asyncio.run(up(args, model))
+
+
+def judge_model_path(flag: str | None, model: Path) -> Path | None:
+    """`--judge-model`'s folder: `policy` is the policy's base model `model`; None without it."""
+    if flag is None:
+        return None
+    return model if flag == "policy" else Path(flag).expanduser().resolve()
 
 
 def _python(module: str, *args: str) -> list[str]:
@@ -263,6 +291,7 @@ class Stack:
         self.bucket_endpoint = settings.bucket.endpoint
         self.started_at = time.time()
         self._recorded: object = None
+        self.background: list[asyncio.Task[Any]] = []  # starts nothing on the serving path waits for
 
     # -- ports -----------------------------------------------------------------------------
     def pick(self, name: str, preferred: int) -> int:
@@ -350,9 +379,10 @@ class Stack:
 
     def service(self, name: str, module: str, env: dict[str, str], ready_path: str, port_var: str,
                 preferred: int, *, serving_path: bool = False, ready_timeout_s: float = 180.0,
-                fixed: int | None = None) -> Proc:
+                fixed: int | None = None, forced: dict[str, str] | None = None) -> Proc:
         """`python -m module` listening on the port named by `port_var` (the user's own
-        value of that variable fixes the port)."""
+        value of that variable fixes the port). `forced`: what a flag chose, over the user's
+        own NEXTSTATE_* settings too."""
         if port_var in os.environ:
             fixed = int(os.environ[port_var])
 
@@ -360,6 +390,7 @@ class Stack:
             merged = {**self.env, **self.redis_env(name), **env, port_var: str(port)}
             # The user's own NEXTSTATE_* settings win over the defaults chosen here.
             merged = {k: v for k, v in merged.items() if k not in os.environ or k in self.env}
+            merged.update(forced or {})
             return Proc(name, _python(module), env=merged, ready=http_ready(f"http://127.0.0.1:{port}{ready_path}"),
                         ready_timeout_s=ready_timeout_s, serving_path=serving_path, port=port)
 
@@ -387,7 +418,8 @@ class Stack:
             return Proc("engine", argv, env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, serving_path=True, port=port)
 
-        method = mode_env(a.mode, a.topk, "NEXTSTATE_JUDGE__URL" in os.environ)
+        judge_model = judge_model_path(getattr(a, "judge_model", None), model)
+        method = mode_env(a.mode, a.topk, judge_model is not None or "NEXTSTATE_JUDGE__URL" in os.environ)
         buffer = self.service("buffer", "services.buffer", {
             **method["buffer"],
             "NEXTSTATE_BUFFER__BATCH_SIZE": str(a.batch_size),
@@ -412,6 +444,13 @@ class Stack:
         evaluating = not a.no_train and not a.no_eval
         if evaluating:  # the evaluation engine needs nothing but the model either
             first.append(self.movable("eval-engine", PORTS["eval-engine"], self.eval_engine(m)))
+        # The judge model's engine starts beside them but nothing on the serving path waits for
+        # it (a large model may load for minutes): the judges follow it on their own.
+        judging = None
+        if judge_model is not None:
+            judge_engine = self.movable("judge-model", PORTS["judge-model"], self.judge_engine(judge_model, vllm))
+            judging = asyncio.create_task(self.sup.start_together([judge_engine]), name="start-judge-model")
+            self.background.append(judging)
         # Nothing in this group needs another's readiness: they start at once.
         await self.sup.start_together(first)
         engine = self.url("engine")  # final: every process started from here on is built with it
@@ -423,18 +462,8 @@ class Stack:
             "NEXTSTATE_COLLECTOR__SPOOL_PATH": str(self.root / "collector-spool.jsonl"),
             **({"NEXTSTATE_COLLECTOR__ENGINE_ADAPTERS": "true"} if a.lora is not None else {}),
         }, "/readyz", "NEXTSTATE_COLLECTOR__PORT", PORTS["collector"], serving_path=True, fixed=a.port)]
-        judge = a.judge or ("prm" if "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
-        for i in range(a.judges):
-            second.append(self.service(f"judge-{i}", "services.judge", {
-                "NEXTSTATE_JUDGE__TYPE": judge,
-                **method["judge"],
-                "NEXTSTATE_JUDGE__URL": engine,
-                "NEXTSTATE_JUDGE__ENGINE_URL": engine,
-                "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
-                "NEXTSTATE_JUDGE__TOKENIZER": m,
-                "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
-                **({"NEXTSTATE_JUDGE__ENGINE_ADAPTERS": "true"} if a.lora is not None else {}),
-            }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i))
+        if judging is None:
+            second += self.judges(method["judge"], engine, kind, m)
         if not a.no_train:
             watcher_env = {
                 "NEXTSTATE_WATCHER__ENGINE_URL": engine,
@@ -449,8 +478,56 @@ class Stack:
                                        "NEXTSTATE_WATCHER__PORT", PORTS["watcher"]))
         if evaluating:
             second.append(self.evaluator(m))
+        if judging is not None:
+            assert judge_model is not None
+            self.background.append(asyncio.create_task(
+                self._judges_after(judging, judge_model, method["judge"], engine, kind, m), name="start-judges"))
         await self.sup.start_together(second)
         await self.environments()  # through the collector (and on the evaluation engine)
+
+    def judges(self, mode: dict[str, str], engine: str, kind: str, m: str, judge_model: Path | None = None
+               ) -> list[Proc]:
+        """The judge workers; with `judge_model` they use the judge-model engine (started)."""
+        a = self.args
+        defaults: dict[str, str] = {}
+        forced: dict[str, str] = {}
+        if judge_model is not None:  # the judge-model engine, whatever the environment says
+            judge_url = self.url("judge-model")
+            # its chat template, for BACKEND=sglang (VERDICT_GRAMMAR: our engine's /generate)
+            defaults = {**LOCAL_JUDGE, "NEXTSTATE_JUDGE__JUDGE_TOKENIZER": str(judge_model)}
+            forced = {"NEXTSTATE_JUDGE__URL": judge_url, "NEXTSTATE_JUDGE__JUDGE_ENGINE_URL": judge_url,
+                      "NEXTSTATE_JUDGE__MODEL": JUDGE_SERVED_NAME}
+            if os.environ.get("NEXTSTATE_JUDGE__URL"):
+                self.sup.say("up", f"--judge-model: the judges use {judge_url}, not NEXTSTATE_JUDGE__URL")
+        judge = a.judge or ("prm" if judge_model is not None or "NEXTSTATE_JUDGE__URL" in os.environ else "rule")
+        return [self.service(f"judge-{i}", "services.judge", {
+            "NEXTSTATE_JUDGE__TYPE": judge,
+            **mode,
+            "NEXTSTATE_JUDGE__URL": engine,
+            **defaults,
+            "NEXTSTATE_JUDGE__ENGINE_URL": engine,
+            "NEXTSTATE_JUDGE__ENGINE_KIND": kind,
+            "NEXTSTATE_JUDGE__TOKENIZER": m,
+            "NEXTSTATE_JUDGE__CONSUMER_NAME": f"judge-{i}",
+            **({"NEXTSTATE_JUDGE__ENGINE_ADAPTERS": "true"} if a.lora is not None else {}),
+        }, "/readyz", "NEXTSTATE_JUDGE__PORT", PORTS["judge"] + 10 * i, forced=forced) for i in range(a.judges)]
+
+    async def _judges_after(self, judging: asyncio.Task[list[bool]], judge_model: Path, mode: dict[str, str],
+                            engine: str, kind: str, m: str) -> None:
+        """The judges, once the judge-model engine answers or was given to the restart loop:
+        built from its final port, and started without the serving path waiting for them."""
+        await judging
+        await self.sup.start_together(self.judges(mode, engine, kind, m, judge_model))
+
+    async def settled(self) -> None:
+        """Wait for what starts beside the serving path (`--judge-model`'s engine and judges)."""
+        for task in list(self.background):
+            await task
+
+    async def cancel_background(self) -> None:
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
 
     async def environments(self) -> None:
         """`--envs P` environment workers (rq, one episode each at a time), agents of the
@@ -487,6 +564,26 @@ class Stack:
             return Proc("eval-engine", _python("services.engine", "--model", m, "--port", str(port),
                                                "--tool-call-parser", parser),
                         env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
+                        ready_timeout_s=600, port=port)
+
+        return build
+
+    def judge_engine(self, judge_model: Path, vllm: VLLMLaunch | None) -> Callable[[int], Proc]:
+        """The judge model's engine (`--judge-model`): ours, or vLLM like the serving engine,
+        serving `judge_model` as `judge`. A process of its own even for the policy's base
+        weights: judging never queues behind the users' requests, and this engine is never
+        hot-reloaded, so it never judges with a trained policy. Training side: the serving
+        path neither waits for it nor falls with it (the judges wait, their turns retried)."""
+
+        def build(port: int) -> Proc:
+            argv = _python("services.engine", "--model", str(judge_model), "--port", str(port),
+                           "--served-model-name", JUDGE_SERVED_NAME)
+            env = dict(self.env)
+            if vllm is not None:  # the judge model's own weights only: no LoRA adapters to load
+                no_lora = vllm.model_copy(update={"lora_rank": None})
+                argv, extra = no_lora.command(judge_model, port, served_name=JUDGE_SERVED_NAME)
+                env.update(extra)
+            return Proc("judge-model", argv, env=env, ready=http_ready(f"http://127.0.0.1:{port}/health"),
                         ready_timeout_s=600, port=port)
 
         return build
@@ -651,5 +748,6 @@ async def up(args: argparse.Namespace, model: Path) -> int:
         for task in (starting, stopped):
             task.cancel()
         await asyncio.gather(starting, stopped, return_exceptions=True)
+        await stack.cancel_background()
         await stack.sup.stop()
         stack.write_record(stopped=True)

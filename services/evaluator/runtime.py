@@ -6,6 +6,8 @@ thread runs one event loop for the life of the process, holding:
   HTTP client), the bucket, the Redis bus;
 - the dispatcher: a consumer of `checkpoints` in group `evaluator` that enqueues one
   evaluation job per configured suite for each committed version (shared/evaljobs.py);
+  before it starts, with BASELINE on, the base model's (v0) jobs of every suite without a
+  result of it in the bucket yet — once per run, ahead of any version;
 - the ops port: /healthz, /readyz (Redis, bucket, the evaluation engine's /health), /metrics.
 
 A job (services/evaluator/jobs.py, in the main thread) hands its evaluation to this loop
@@ -24,7 +26,7 @@ from typing import Any
 
 import redis
 
-from services.evaluator.evaluation import JOBS, Evaluator
+from services.evaluator.evaluation import BASE, JOBS, Evaluator, Superseded, begun
 from services.evaluator.settings import EvalSettings
 from services.evaluator.suite import Suite
 from shared import keys as K
@@ -80,6 +82,7 @@ class Runtime(JobLoop):
                     await ops  # raises (SystemExit from a port that would not bind)
                     raise RuntimeError(f"the ops port {cfg.host}:{cfg.port} stopped at start")
                 await asyncio.sleep(0.02)
+            await self._baseline(bucket)
             consumer = Consumer(bus, K.CHECKPOINTS, K.GROUP_EVALUATOR, CheckpointPublished,
                                 self._dispatch, name=self.consumer)
             dispatcher = asyncio.create_task(consumer.run(), name="dispatcher")
@@ -99,6 +102,24 @@ class Runtime(JobLoop):
             await asyncio.gather(ops, return_exceptions=True)
 
     # -- the dispatcher ------------------------------------------------------------------------
+    async def _baseline(self, bucket: AsyncBucket) -> None:
+        """Enqueue the base model's evaluation (v0) of every suite not scored on it yet."""
+        cfg, run = self.settings.eval, self.settings.run
+        if not cfg.baseline:
+            return
+        if not cfg.base_model:
+            log.warning("no baseline: the base model is not evaluated without NEXTSTATE_EVAL__BASE_MODEL "
+                        "(the gate then compares the first version with nothing)")
+            return
+        if await bucket.run(begun, bucket.sync, run, BASE):
+            log.info("baseline already evaluated", extra={"run": run})  # per suite: the gate keeps it
+            return
+        for suite in cfg.suites:
+            job_id = await asyncio.to_thread(
+                enqueue_eval, self.rq, K.Keys(self.settings.redis.prefix), run, BASE, suite,
+                timeout_s=cfg.job_timeout_s, retries=cfg.retries)
+            log.info("baseline evaluation enqueued", extra={"job": job_id, "version": BASE, "suite": suite})
+
     async def _dispatch(self, msg: CheckpointPublished, delivery: Delivery) -> None:
         cfg = self.settings.eval
         for suite in cfg.suites:
@@ -108,6 +129,29 @@ class Runtime(JobLoop):
             log.info("evaluation enqueued", extra={"job": job_id, "version": msg.version, "suite": suite})
 
     # -- jobs (called from the worker's thread) ----------------------------------------------------
+    def run_model_job(self, job_id: str, run: str, label: str, suite: str, samples: int | None, *,
+                      model: str | None, source: tuple[str, int] | None, attempt: int,
+                      last: bool) -> dict[str, Any]:
+        """A model outside the run, evaluated on the loop; counted as `run_job` counts."""
+        evaluator = self.evaluator
+        if evaluator is None:
+            raise RuntimeError("the evaluator's event loop is not running")
+        outcome = "failed"
+        try:
+            result = self.wait(
+                evaluator.evaluate_model(job_id, run, label, suite, samples, model=model, source=source,
+                                         attempt=attempt, last=last),
+                lambda: HandedBack(f"the worker is stopping: {job_id} goes back to the queue"))
+            outcome = "ok"
+            return {"id": result.id, "model": label, "score": result.score, "n": result.n}
+        except HandedBack:
+            outcome = "handed_back"
+            raise
+        finally:
+            if outcome == "failed" and self.stop_requested_at is not None:
+                outcome = "handed_back"
+            JOBS.labels(suite, outcome).inc()
+
     def run_job(self, job_id: str, run: str, version: int, suite: str, samples: int | None) -> dict[str, Any]:
         """Evaluate on the loop and wait; count how the job ended."""
         evaluator = self.evaluator
@@ -126,6 +170,10 @@ class Runtime(JobLoop):
             log.warning("version pruned before its evaluation: skipped",
                         extra={"job": job_id, "version": version, "suite": suite, "error": str(exc)})
             return {"id": job_id, "skipped": "the checkpoint is no longer in the bucket"}
+        except Superseded as exc:
+            outcome = "skipped"
+            log.info("evaluation skipped: %s", exc, extra={"job": job_id, "version": version, "suite": suite})
+            return {"id": job_id, "skipped": str(exc)}
         except HandedBack:
             outcome = "handed_back"
             raise

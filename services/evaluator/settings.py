@@ -24,8 +24,19 @@
     NEXTSTATE_EVAL__SCENARIOS=                   a folder of scenario files (default: the package's)
     NEXTSTATE_EVAL__DEMO_TASK=short              the demo criterion suite's task (shared/demo_tasks.py;
                                                  `nextstate demo`'s default; vowel for tiny test models)
-    NEXTSTATE_EVAL__SAMPLES=32                   tasks / prompts per suite (n); a job may ask for more
+    NEXTSTATE_EVAL__SAMPLES=128                  tasks / prompts per suite (n; a job may ask for more):
+                                                 what the gate's paired test needs to see a drop of
+                                                 ~0.14 (bench/gate_power.py)
+    NEXTSTATE_EVAL__SUITE_SAMPLES={"drift":32}   per-suite n instead (drift has a limit, not a paired test)
+    NEXTSTATE_EVAL__CONCURRENCY=16               requests in flight per suite (the evaluation engine
+                                                 batches them: keep it at the engine's MAX_RUNNING)
     NEXTSTATE_EVAL__MAX_TOKENS=32                per answer
+    NEXTSTATE_EVAL__BASELINE=true                evaluate the base model (v0) once per run, at start:
+                                                 the gate's first baseline, every curve's first point
+                                                 (needs BASE_MODEL; loaded from that path)
+    NEXTSTATE_EVAL__NEWEST_ONLY=true             a version not begun when a newer one is committed is
+                                                 skipped (the gate records it `skipped`): evaluation
+                                                 stays on the newest version however fast training goes
     NEXTSTATE_EVAL__SEED=0
     NEXTSTATE_EVAL__CONSUMER_NAME=               stable name of the dispatcher's consumer on `checkpoints`
                                                  ({hostname}, {pid} filled in; default evaluator-<host>-<pid>)
@@ -90,8 +101,12 @@ class EvalConfig(BaseModel):
     user_api_key: SecretStr | None = None
     scenarios: Path | None = None
     demo_task: str = "short"
-    samples: int = Field(32, ge=1)
+    samples: int = Field(128, ge=1)
+    suite_samples: dict[str, int] = Field(default_factory=lambda: {"drift": 32})
+    concurrency: int = Field(16, ge=1)
     max_tokens: int = Field(32, ge=1)
+    baseline: bool = True
+    newest_only: bool = True
     seed: int = 0
     consumer_name: str | None = None
     host: str = "127.0.0.1"
@@ -101,6 +116,9 @@ class EvalConfig(BaseModel):
     abandoned_after_s: int = Field(45, ge=2)
     maintenance_s: int = Field(15, ge=1)
     shutdown_grace_s: float = Field(10.0, ge=0)
+
+    def samples_for(self, suite: str) -> int:
+        return self.suite_samples.get(suite, self.samples)
 
     @field_validator("suites", mode="before")
     @classmethod

@@ -4,7 +4,9 @@
   engine, a hosted API with a bearer key). `url` may end in `/v1` or not.
 - `SGLangTextBackend`: SGLang's native `/generate` with text in; the judge messages are
   rendered with the judge model's chat template (`judge_tokenizer`) when given, else
-  as plain "System:/User:/Assistant:" text (base models).
+  as plain "System:/User:/Assistant:" text (base models). With `verdict_grammar`, each
+  PRM vote is decoded under an EBNF grammar (SGLang's and our engine's `ebnf`) that
+  allows only `\\boxed{1}`, `\\boxed{0}` or `\\boxed{-1}`.
 
 `call(messages)` never raises for a failed call: it returns a `CallResult` whose
 `error` says what happened, so the vote is kept for audit and the caller applies the
@@ -162,7 +164,7 @@ class JudgeBackend:
         await self.aclose()
 
     # -- to implement ---------------------------------------------------------------
-    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+    def body(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> dict[str, Any]:
         raise NotImplementedError
 
     def answer(self, data: Any) -> str:
@@ -175,7 +177,7 @@ class JudgeBackend:
 
     # -- one call -------------------------------------------------------------------------
     async def call(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> CallResult:
-        payload = json.dumps(self.body(messages), separators=(",", ":")).encode()
+        payload = json.dumps(self.body(messages, kind), separators=(",", ":")).encode()
         started = time.perf_counter()
         attempts = 0
         while True:
@@ -229,6 +231,10 @@ class JudgeBackend:
         return self.answer(data)
 
 
+# NEXTSTATE_JUDGE__VERDICT_GRAMMAR: a vote is one of the three boxed labels and nothing else.
+VERDICT_EBNF = 'root ::= "\\\\boxed{" ("1" | "0" | "-1") "}"'
+
+
 def _snippet(resp: httpx.Response) -> str:
     return resp.text[:300].replace("\n", " ") or "(empty body)"
 
@@ -240,7 +246,7 @@ class OpenAIBackend(JudgeBackend):
     def base_url(url: str) -> str:
         return url if url.endswith("/v1") else url + "/v1"
 
-    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+    def body(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> dict[str, Any]:
         return {
             "model": self.cfg.model,
             "messages": list(messages),
@@ -283,14 +289,11 @@ class SGLangTextBackend(JudgeBackend):
         parts = [f"{m['role'].capitalize()}:\n{m['content']}" for m in messages]
         return "\n\n".join(parts) + "\n\nAssistant:\n"
 
-    def body(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
-        return {
-            "text": self.render(messages),
-            "sampling_params": {
-                "temperature": self.cfg.temperature,
-                "max_new_tokens": self.cfg.max_tokens,
-            },
-        }
+    def body(self, messages: Sequence[dict[str, str]], kind: str = "prm") -> dict[str, Any]:
+        sampling: dict[str, Any] = {"temperature": self.cfg.temperature, "max_new_tokens": self.cfg.max_tokens}
+        if self.cfg.verdict_grammar and kind == "prm":  # the reward's votes only: hints stay free text
+            sampling["ebnf"] = VERDICT_EBNF
+        return {"text": self.render(messages), "sampling_params": sampling}
 
     def answer(self, data: Any) -> str:
         text = data.get("text") if isinstance(data, dict) else None

@@ -92,6 +92,21 @@ PRM_PROMPTS["prm-prob-v1"] = Prompt(  # NEXTSTATE_JUDGE__SCORES=probability
     ),
 )
 
+PRM_PROMPTS["prm-verdict-v1"] = Prompt(  # NEXTSTATE_JUDGE__VERDICT_GRAMMAR: the verdict alone
+    version="prm-verdict-v1",
+    system=_PRM_SYSTEM,
+    task=(
+        "Scoring:\n"
+        "- 1: progress. The user thanks, approves or moves on to a new request; a tool call "
+        "ran and returned a useful, successful result.\n"
+        "- -1: no progress. The user corrects the assistant, repeats or rephrases the "
+        "request, asks for a redo, or says it is wrong; a tool call failed, errored or was "
+        "malformed, or had to be retried.\n"
+        "- 0: the next state does not tell (neutral, unrelated, or mixed signals).\n\n"
+        "Answer with exactly one of \\boxed{1}, \\boxed{-1} or \\boxed{0} and nothing else."
+    ),
+)
+
 HINT_PROMPTS = {
     "hint-v1": Prompt(
         version="hint-v1",

@@ -11,12 +11,18 @@
     NEXTSTATE_JUDGE__API_KEY=...         bearer key of the judge model (never logged); unset and the
                                          judge model is the policy engine (URL on the same host:port
                                          as ENGINE_URL): the stack's NEXTSTATE_INTERNAL__TOKEN
+    NEXTSTATE_JUDGE__JUDGE_ENGINE_URL=   the stack's own judge-model engine (`nextstate up --judge-model`,
+                                         compose's and k8s's `judge-model`): a URL on its host:port is
+                                         sent the internal token, whatever API_KEY says
     NEXTSTATE_JUDGE__VOTES=3             calls per turn, run concurrently; aggregated as SCORES says
     NEXTSTATE_JUDGE__SCORES=label        label (\\boxed{-1|0|1}) | graded (a number in [-1, 1]) |
                                          probability (p in [0, 1] -> 2p - 1): services/judge/parsing.py
     NEXTSTATE_JUDGE__VOTE_THRESHOLD=     labels: the share of valid votes a label needs (e.g. 0.6);
                                          default strictly more than half; else the reward is 0.
                                          graded / probability votes are averaged (no threshold)
+    NEXTSTATE_JUDGE__VERDICT_GRAMMAR=false   BACKEND=sglang, labels: every PRM vote is decoded under a grammar
+                                         allowing only \\boxed{1|0|-1}, no reasoning (prompt prm-verdict-v1): a
+                                         small judge model that never ends in a box still gives readable votes
     NEXTSTATE_JUDGE__QUORUM=             calls that must answer (default: a majority of VOTES)
     NEXTSTATE_JUDGE__TEMPERATURE=0.6     NEXTSTATE_JUDGE__MAX_TOKENS=1024
     NEXTSTATE_JUDGE__TIMEOUT_S=60        per call, all attempts of one call share nothing
@@ -62,6 +68,7 @@ from shared.settings import Settings
 
 BUILTIN_JUDGES = ("prm", "rule", "rule+prm", "classifier")
 DEFAULT_PROMPTS: dict[str, str] = {"label": "prm-v1", "graded": "prm-graded-v1", "probability": "prm-prob-v1"}
+VERDICT_PROMPT = "prm-verdict-v1"  # the default prompt under VERDICT_GRAMMAR
 _PLUGIN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 DEFAULT_POSITIVE = (
@@ -86,6 +93,12 @@ class JudgeConfig(BaseModel):
     api_key: SecretStr | None = None
     judge_tokenizer: str | None = Field(
         None, description="sglang backend: render the judge prompt with this model's chat template"
+    )
+    verdict_grammar: bool = Field(
+        False, description="sglang backend, labels: each vote decoded under a grammar that allows only "
+                           "\\boxed{1}, \\boxed{0} or \\boxed{-1} (no reasoning): small judge models")
+    judge_engine_url: str | None = Field(
+        None, description="the stack's own judge-model engine: a URL on its origin gets the internal token"
     )
     votes: int = Field(3, ge=1, le=32)
     quorum: int | None = Field(None, ge=1, description="answered calls needed (default: votes//2+1)")
@@ -172,7 +185,7 @@ class JudgeConfig(BaseModel):
             )
         return v
 
-    @field_validator("url", "engine_url")
+    @field_validator("url", "engine_url", "judge_engine_url")
     @classmethod
     def _http(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("http://", "https://")):
@@ -204,8 +217,11 @@ class JudgeConfig(BaseModel):
             raise ValueError("NEXTSTATE_JUDGE__TOPK needs ENGINE_KIND=sglang (token-in top-K scoring)")
         if self.topk and self.mode == "rl":
             raise ValueError("NEXTSTATE_JUDGE__TOPK records the teacher's top-K: it needs MODE=opd or combine")
+        if self.verdict_grammar and (self.backend != "sglang" or self.scores != "label"):
+            raise ValueError("NEXTSTATE_JUDGE__VERDICT_GRAMMAR constrains label votes on /generate: it needs "
+                             "BACKEND=sglang (SGLang or our engine; set JUDGE_TOKENIZER too) and SCORES=label")
         if "prompt_version" not in self.model_fields_set:
-            self.prompt_version = DEFAULT_PROMPTS[self.scores]
+            self.prompt_version = VERDICT_PROMPT if self.verdict_grammar else DEFAULT_PROMPTS[self.scores]
         if self.teacher == "experience" and self.mode == "rl":
             raise ValueError("NEXTSTATE_JUDGE__TEACHER=experience distils a teacher: it needs MODE=opd or combine")
         if self.mode in ("opd", "combine"):
@@ -246,10 +262,14 @@ class JudgeSettings(Settings):
 
     @model_validator(mode="after")
     def _judge_model_key(self) -> JudgeSettings:
-        """The judge model is often the policy engine itself (the default of `up`, compose
-        and k8s), which needs the internal token: use it when no API_KEY is set and the
-        judge URL is the engine's. Any other judge model (a hosted API) never receives it."""
+        """The stack's own engines need the internal token. The judge-model engine (`up
+        --judge-model`, compose's and k8s's `judge-model` service) takes nothing else: a judge
+        URL on its origin always sends the token. The policy engine (the judge model of
+        compose and k8s by default) gets it when no API_KEY is set. Any other judge model (a
+        hosted API) never receives it."""
         j = self.judge
-        if j.api_key is None and j.engine_url is not None and _origin(j.url) == _origin(j.engine_url):
+        if j.judge_engine_url is not None and _origin(j.url) == _origin(j.judge_engine_url):
+            j.api_key = self.internal.token
+        elif j.api_key is None and j.engine_url is not None and _origin(j.url) == _origin(j.engine_url):
             j.api_key = self.internal.token
         return self

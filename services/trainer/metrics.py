@@ -55,6 +55,14 @@ ABANDONED_SAMPLES = Counter(
     "nextstate_trainer_abandoned_samples_total",
     "Samples not trained because a version a rollback abandoned generated them",
 )
+STALE_BATCHES = Counter(
+    "nextstate_trainer_stale_batches_total",
+    "Batches acked without training: every sample was more than MAX_STALENESS versions behind",
+)
+STALE_SAMPLES = Counter(
+    "nextstate_trainer_stale_samples_total",
+    "Samples not trained: more than MAX_STALENESS versions behind the weights being trained",
+)
 PENDING_UPLOADS = Gauge("nextstate_trainer_pending_uploads", "Versions snapshotted, not yet committed")
 COMMIT_SECONDS = Histogram(
     "nextstate_trainer_commit_seconds", "Write + upload + commit of one version",

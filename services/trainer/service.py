@@ -135,6 +135,10 @@ class TrainerService:
         self.static_dir = static_dir
         self.step = resume.step
         self.version = resume.version  # newest version snapshotted (what the weights build on)
+        # This lineage's versions since the start or the last rebase (numbers jump at a
+        # rebase: staleness counts versions trained, not the difference of their numbers).
+        self.origin = resume.version
+        self.since: list[int] = []
         self.committed_version = resume.version
         self.next_version = resume.next_version
         self.lineage = RecentIds(resume.consumed, self.cfg.remember_batches)  # trained, this lineage
@@ -219,6 +223,8 @@ class TrainerService:
             batch = held[0]
             fut = self.inflight[batch.id]
             samples = self._own_lineage(batch, fut)
+            if samples:
+                samples = await self._fresh(batch, samples, fut)
             if not samples:
                 continue
             try:
@@ -244,6 +250,7 @@ class TrainerService:
                 "step": self.step, "batch_id": batch.id, "samples": len(samples),
                 "loss": round(metrics.get("loss", 0.0), 6), "grad_norm": round(metrics["grad_norm"], 4),
                 "clip_frac": round(metrics.get("clip_frac", 0.0), 4),
+                "staleness_max": metrics.get("staleness_max"),
                 "tokens_per_s": round(metrics["tokens_per_s"], 1)})
             if len(self.window) >= self.cfg.checkpoint_every and self.follow.pending is None:
                 await self.snapshot()
@@ -276,6 +283,58 @@ class TrainerService:
                 fut.set_result(None)
         return samples
 
+    async def _fresh(self, batch: TrainBatch, samples: list[TrainSample],
+                     fut: asyncio.Future[None]) -> list[TrainSample]:
+        """The samples to train: none more than MAX_STALENESS versions behind the weights
+        about to train on them, unless the policy users get now generated it. Off-policy
+        beyond that, the clipped ratio keeps little of a sample's signal and training on it
+        only drifts — a trainer behind its traffic, chewing its backlog after the traffic
+        stopped. The served policy's own samples are the freshest there are: dropping
+        them would stall a trainer whose versions the gate has not promoted yet. A batch
+        left with none is acked untrained (counted, logged)."""
+        limit = self.cfg.max_staleness
+        if all(self.behind(s.policy_version) <= limit for s in samples):
+            return samples
+        serving = await self.serving()
+        fresh = [s for s in samples if self.behind(s.policy_version) <= limit or s.policy_version >= serving]
+        dropped = len(samples) - len(fresh)
+        if dropped:
+            M.STALE_SAMPLES.inc(dropped)
+            oldest = min(s.policy_version for s in samples)
+            extra = {"batch_id": batch.id, "dropped": dropped, "kept": len(fresh), "version": self.version,
+                     "serving": serving, "oldest_policy_version": oldest, "max_staleness": limit}
+            if fresh:
+                log.info("dropped stale samples", extra=extra)
+            else:
+                M.STALE_BATCHES.inc()
+                log.warning("batch acked without training: every sample is more than %s versions behind v%s "
+                            "and older than the served v%s (oldest from v%s)", limit, self.version, serving, oldest,
+                            extra=extra)
+                self.inflight.pop(batch.id, None)
+                fut.set_result(None)
+        return fresh
+
+    async def serving(self) -> int:
+        """The version users get now: the gate's (0 while it promoted nothing: the engine's
+        own weights), else the newest committed (the watcher serves LATEST). Redis not
+        answering: 0, so that nothing a gate might serve is dropped."""
+        try:
+            view = gate_view(await self.bus.redis.hgetall(self.bus.keys.gate_state))
+        except RedisError as exc:
+            log.warning("gate state not read; no sample dropped as stale", extra={"error": str(exc)})
+            return 0
+        if view is None:
+            return self.committed_version
+        return view.current if view.current is not None else 0
+
+    def behind(self, policy_version: int) -> int:
+        """Versions trained on this lineage after `policy_version`: those since the start or
+        the last rebase above it, plus, for a version from before that origin, the
+        difference of the numbers (exact unless a rebase lies between, as after a restart
+        that followed a rollback: then the jump in numbers counts too)."""
+        after = sum(1 for v in self.since if v > policy_version)
+        return after + max(0, self.origin - policy_version)
+
     def _hand_back(self, batch: TrainBatch | None) -> None:
         """An untrained batch stays pending in the stream for the next start."""
         if batch is not None:
@@ -304,6 +363,7 @@ class TrainerService:
         )  # fmt: skip
         M.SNAPSHOT_SECONDS.observe(time.perf_counter() - started)
         self.version = version
+        self.since.append(version)
         self.window, self.window_metrics = [], []
         M.PENDING_UPLOADS.inc()
         self.unsettled += 1
@@ -428,6 +488,7 @@ class TrainerService:
         finally:
             shutil.rmtree(self.work_dir / "rebase", ignore_errors=True)
         self.step, self.version, self.committed_version = point.step, point.version, point.version
+        self.origin, self.since = point.version, []
         self.chain = None  # the next version is a full snapshot
         self.next_version = max(self.next_version, point.next_version)
         self.lineage = RecentIds(point.consumed, self.cfg.remember_batches)

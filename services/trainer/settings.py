@@ -12,6 +12,12 @@
     NEXTSTATE_TRAINER__LOSS_OPTIONS={}           a JSON object handed to the loss (LossConfig.options)
     NEXTSTATE_TRAINER__MICRO_BATCH_TOKENS=8192   padded tokens per forward; gradients accumulate
     NEXTSTATE_TRAINER__CHECKPOINT_EVERY=1        publish a version every K optimizer steps
+    NEXTSTATE_TRAINER__MAX_STALENESS=4           a sample more versions behind the weights being
+                                                 trained than this is not trained, unless users get
+                                                 its version now (a batch left with none is acked
+                                                 untrained): when traffic stops, the trainer stops
+                                                 within a few versions instead of drifting on the
+                                                 leftovers
     NEXTSTATE_TRAINER__KEEP_VERSIONS=3           versions (and trainer states) kept in the bucket
     NEXTSTATE_TRAINER__LORA=false                LORA_RANK=16 LORA_ALPHA=32; LORA_PUBLISH=adapter: each
                                                  version is the PEFT adapter (merged: full weights)
@@ -73,6 +79,9 @@ class TrainerConfig(BaseModel):
         2, ge=1, description="versions uploading while training goes on; then training waits"
     )
     remember_batches: int = Field(10_000, ge=100, description="consumed batch ids kept for replays")
+    max_staleness: int = Field(
+        4, ge=0, description="versions a sample may be behind the weights it trains (older: dropped, "
+        "unless its version is the one served)")
     # -- what a version carries (docs/weights.md) ------------------------------------------------
     publish_dtype: Dtype = Field(
         "auto", description="dtype of the published weights: the dtype the engine serves. auto: the "

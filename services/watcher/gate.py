@@ -18,9 +18,11 @@ Each watcher pass with NEXTSTATE_GATE__ENABLED=true calls `Gate.step(latest)` fi
     best         JSON suite -> best promoted score (higher-is-better suites)
     serving      the version the gate has the engine serve ("" none yet)
     decided_at   when this was written (unix seconds)
-    config       JSON {suites, delta, drift_max, wait_s}: the rule in force
+    config       JSON {suites, alpha, delta, drift_max, wait_s}: the rule in force
     version:<n>  JSON {version, decision, reasons, first_seen, decided_at,
-                 results: {suite: {id, score, higher_is_better, n, ci_low, ci_high, at}}}
+                 results: {suite: {id, score, higher_is_better, n, ci_low, ci_high, at,
+                                   tasks: {task id: score}, binary}},
+                 tests: {suite: SuiteTest (shared/schemas.py): how it was decided}}
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Gate:
 
     def __post_init__(self) -> None:
         cfg = self.settings.gate
-        self.rules = Rules(tuple(cfg.suites), cfg.delta, cfg.drift_max, cfg.wait_s)
+        self.rules = Rules(tuple(cfg.suites), cfg.delta, cfg.drift_max, cfg.wait_s, cfg.alpha)
         PROMOTED_VERSION.set(-1)
 
     @property
@@ -184,8 +186,9 @@ class Gate:
                                            "score": result.score, "n": result.n})
 
     def _config(self) -> str:
-        return json.dumps({"suites": list(self.rules.suites), "delta": self.rules.delta,
-                           "drift_max": self.rules.drift_max, "wait_s": self.rules.wait_s})
+        return json.dumps({"suites": list(self.rules.suites), "alpha": self.rules.alpha,
+                           "delta": self.rules.delta, "drift_max": self.rules.drift_max,
+                           "wait_s": self.rules.wait_s})
 
     async def _save(self, book: GateBook, latest: int | None, now: float) -> None:
         fields = book.fields(latest, now)
@@ -202,8 +205,8 @@ class Gate:
         DECISIONS.labels(verdict.decision).inc()
         promotion = Promotion(run=self.run, version=verdict.version, decision=verdict.decision,
                               reasons=verdict.reasons, scores=verdict.scores,
-                              baseline=verdict.baseline, serving=serving)
-        level = logging.INFO if verdict.decision == "promoted" else logging.WARNING
+                              baseline=verdict.baseline, serving=serving, tests=verdict.tests)
+        level = logging.INFO if verdict.decision in ("promoted", "skipped") else logging.WARNING
         log.log(level, "gate: v%s %s (%s)", verdict.version, verdict.decision, "; ".join(verdict.reasons),
                 extra={"version": verdict.version, "decision": verdict.decision, "serving": serving})
         try:

@@ -2,10 +2,14 @@
 I/O: gate.py feeds it the `evals` stream and LATEST, keeps it in Redis, announces its verdicts.
 
 The rule, for each required suite (NEXTSTATE_GATE__SUITES) of a version:
-- higher is better (demo, held-out tasks, a simulated user): score >= best - delta, where
-  best is that suite's best score among the promoted versions; while none is promoted
-  (or none has that suite), the base model's (an EvalResult for version 0) if there is
-  one; with no baseline at all the suite passes on its own;
+- higher is better (demo, held-out tasks, a simulated user): the candidate is compared
+  with the *best* version on that suite — the highest score among the promoted versions
+  and the base model (an EvalResult for version 0) — on the tasks both were scored on,
+  with a paired test (paired.py: McNemar's exact test for pass/fail tasks, a paired
+  bootstrap over tasks for graded scores). It fails only when the test says "worse" at
+  `alpha` (one-sided); "not worse" passes. Results without per-task scores cannot be
+  paired: then score >= best - delta. With no best at all (no base result, nothing
+  promoted) the suite passes on its own;
 - lower is better (drift, any result with `higher_is_better=False`): score <= drift_max.
 A version passes when every required suite does.
 
@@ -13,10 +17,13 @@ Which versions are judged:
 - a *candidate* is a version above every promoted one. It is judged once all its required
   suites have a result (again when a new result for it arrives), and refused as
   unevaluated when `wait_s` passes first, counted from when the gate first saw it (LATEST
-  named it, or a first result came). Versions below the newest promoted one are not
-  judged: they were superseded before their results came.
+  named it, or a first result came);
+- a version below a newer one that was judged on its results is `skipped` (the evaluator
+  takes the newest version and leaves older ones it had not begun; a late result of one
+  below the newest promoted comes after that one was chosen). Skipped is a decision, so the
+  trainer's retention may let it go; a skipped candidate whose results do come is judged;
 - a *promoted* version that gets a new result is judged again, against the other promoted
-  versions: failing now, it is `rolled_back` (never promoted again).
+  versions and the base: failing now, it is `rolled_back` (never promoted again).
 A result replaces the one it follows for the same suite, unless it rests on fewer samples
 (`n`): a smaller evaluation does not overrule a larger one.
 
@@ -29,28 +36,31 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from services.watcher.paired import compare
 from shared.gate_view import FIELD_PREFIX, field_name
-from shared.schemas import EvalResult
+from shared.schemas import EvalResult, SuiteTest
 
 BASE = 0  # an EvalResult for version 0 scores the base model: the first baseline
-Decision = Literal["promoted", "refused", "rolled_back"]
-
+Decision = Literal["promoted", "refused", "rolled_back", "skipped"]
+JUDGED = ("promoted", "refused", "rolled_back")  # decisions taken on a version's results
 
 
 @dataclass(frozen=True)
 class Rules:
     suites: tuple[str, ...]
-    delta: float
+    delta: float  # results without per-task scores: score >= best - delta
     drift_max: float
     wait_s: float
+    alpha: float = 0.05  # paired tests: refuse when "not worse" is rejected at this level
 
 
 @dataclass(frozen=True)
 class Score:
-    """One suite's result on one version, as the gate keeps it."""
+    """One suite's result on one version, as the gate keeps it. `tasks` (task id -> score,
+    1/0 for pass/fail) only for higher-is-better suites: what a paired test needs."""
 
     id: str
     score: float
@@ -59,10 +69,17 @@ class Score:
     ci_low: float | None = None
     ci_high: float | None = None
     at: float = 0.0  # the result's created_at
+    tasks: dict[str, float] = field(default_factory=dict)  # kept while the version may be a best
+    binary: bool = False  # every task pass/fail: McNemar; otherwise graded: the bootstrap
 
     @classmethod
     def of(cls, r: EvalResult) -> Score:
-        return cls(r.id, r.score, r.higher_is_better, r.n, r.ci_low, r.ci_high, r.created_at)
+        tasks: dict[str, float] = {}
+        binary = False
+        if r.higher_is_better and r.tasks:
+            tasks = {t.task: float(t.passed) if t.passed is not None else t.score for t in r.tasks}
+            binary = all(t.passed is not None for t in r.tasks)
+        return cls(r.id, r.score, r.higher_is_better, r.n, r.ci_low, r.ci_high, r.created_at, tasks, binary)
 
     def text(self) -> str:
         ci = "" if self.ci_low is None or self.ci_high is None else \
@@ -72,6 +89,10 @@ class Score:
 
 def _num(x: float) -> str:
     return f"{x:.4g}"
+
+
+def _name(version: int) -> str:
+    return "base" if version == BASE else f"v{version}"
 
 
 @dataclass
@@ -84,6 +105,7 @@ class Record:
     reasons: list[str] = field(default_factory=list)
     first_seen: float | None = None  # wall clock: `wait_s` counts from here
     decided_at: float | None = None
+    tests: dict[str, SuiteTest] = field(default_factory=dict)  # how each suite was decided
 
     def missing(self, suites: Iterable[str]) -> list[str]:
         return [s for s in suites if s not in self.results]
@@ -96,6 +118,7 @@ class Record:
             "version": self.version, "decision": self.decision, "reasons": self.reasons,
             "first_seen": self.first_seen, "decided_at": self.decided_at,
             "results": {s: vars(r) for s, r in self.results.items()},
+            "tests": {s: t.model_dump() for s, t in self.tests.items()},
         })
 
     @classmethod
@@ -105,6 +128,7 @@ class Record:
             version=int(d["version"]), decision=d.get("decision"), reasons=list(d.get("reasons") or []),
             first_seen=d.get("first_seen"), decided_at=d.get("decided_at"),
             results={s: Score(**r) for s, r in (d.get("results") or {}).items()},
+            tests={s: SuiteTest.model_validate(t) for s, t in (d.get("tests") or {}).items()},
         )
 
 
@@ -116,28 +140,43 @@ class Verdict:
     decision: Decision
     reasons: list[str]
     scores: dict[str, float]
-    baseline: dict[str, float]
+    baseline: dict[str, float]  # suite -> the best's score it was compared with
+    tests: dict[str, SuiteTest] = field(default_factory=dict)
 
 
-def judge(record: Record, rules: Rules, baseline: dict[str, float]) -> tuple[bool, list[str]]:
-    """Whether `record` passes every required suite (all present), with one reason each."""
-    ok, reasons = True, []
-    for suite in rules.suites:
-        r = record.results[suite]
-        if not r.higher_is_better:
-            if r.score <= rules.drift_max:
-                reasons.append(f"{suite} {_num(r.score)} <= limit {_num(rules.drift_max)}")
-            else:
-                ok = False
-                reasons.append(f"{suite} {_num(r.score)} > limit {_num(rules.drift_max)}")
-        elif (best := baseline.get(suite)) is None:
-            reasons.append(f"{suite} {_num(r.score)} (no baseline yet)")
-        elif r.score >= best - rules.delta:
-            reasons.append(f"{suite} {_num(r.score)} >= best {_num(best)} - {_num(rules.delta)}")
-        else:
-            ok = False
-            reasons.append(f"{suite} {_num(r.score)} < best {_num(best)} - {_num(rules.delta)}")
-    return ok, reasons
+@dataclass
+class Judgement:
+    ok: bool = True
+    reasons: list[str] = field(default_factory=list)
+    tests: dict[str, SuiteTest] = field(default_factory=dict)
+    baseline: dict[str, float] = field(default_factory=dict)
+
+
+def judge_suite(suite: str, r: Score, best: tuple[int, Score] | None, rules: Rules) -> tuple[SuiteTest, str]:
+    """How `r` (the candidate's result on `suite`) fares against `best` (version, result)."""
+    if not r.higher_is_better:
+        ok = r.score <= rules.drift_max
+        return (SuiteTest(test="limit", passed=ok, n=r.n),
+                f"{suite} {_num(r.score)} {'<=' if ok else '>'} limit {_num(rules.drift_max)}")
+    if best is None:
+        return SuiteTest(test="none", passed=True, n=r.n), f"{suite} {_num(r.score)} (no baseline yet)"
+    against, b = best
+    cmp = compare(b.tasks, r.tasks, b.binary and r.binary) if b.tasks and r.tasks else None
+    if cmp is None:  # nothing to pair: the summary scores, with a margin
+        ok = r.score >= b.score - rules.delta
+        return (SuiteTest(test="threshold", passed=ok, n=r.n, effect=r.score - b.score, against=against),
+                f"{suite} {_num(r.score)} {'>=' if ok else '<'} best {_num(b.score)} - {_num(rules.delta)}")
+    ok = not cmp.refuses(rules.alpha)
+    test = SuiteTest(test=cmp.test, passed=ok, n=cmp.n, p_value=cmp.p_value, alpha=rules.alpha,
+                     effect=cmp.effect, against=against)
+    if cmp.test == "mcnemar_exact":
+        test = test.model_copy(update={"lost": cmp.worse, "gained": cmp.better})
+        how = f"{cmp.worse} lost, {cmp.better} gained of {cmp.n} paired tasks, McNemar"
+    else:
+        how = f"effect {cmp.effect:+.3g} on {cmp.n} paired tasks, paired bootstrap"
+    verdict = f"p={cmp.p_value:.3g} < {rules.alpha:g}: worse" if not ok else \
+        f"p={cmp.p_value:.3g}: not worse"
+    return test, f"{suite} {_num(r.score)} vs {_name(against)} {_num(b.score)}: {how} {verdict}"
 
 
 @dataclass
@@ -180,39 +219,52 @@ class GateBook:
             self.changed.add(version)
 
     # -- what follows ---------------------------------------------------------------------
-    def baseline(self, suites: Iterable[str], exclude: int | None = None) -> dict[str, float]:
-        """Per higher-is-better suite: the best promoted score (`exclude` aside), else the base's."""
-        out: dict[str, float] = {}
-        base = self.records.get(BASE)
-        for suite in suites:
-            scores = [r.score for v in self.promoted if v != exclude
-                      if (r := self.records[v].results.get(suite)) is not None and r.higher_is_better]
-            if scores:
-                out[suite] = max(scores)
-            elif base is not None and (r := base.results.get(suite)) is not None and r.higher_is_better:
-                out[suite] = r.score
+    def best_of(self, suite: str, exclude: int | None = None) -> tuple[int, Score] | None:
+        """The version with the best result on higher-is-better `suite` among the promoted
+        ones and the base (`exclude` aside), and that result; ties go to the larger n, then
+        to the newer version."""
+        out: tuple[int, Score] | None = None
+        for v in (BASE, *self.promoted):
+            rec = self.records.get(v)
+            r = None if rec is None or v == exclude else rec.results.get(suite)
+            if r is not None and r.higher_is_better and \
+                    (out is None or (r.score, r.n) >= (out[1].score, out[1].n)):
+                out = (v, r)
         return out
 
     def best(self) -> dict[str, float]:
-        """Every higher-is-better suite's best promoted score (what `gate-state` shows)."""
-        suites = {s for v in self.promoted for s in self.records[v].results}
-        return self.baseline(sorted(suites))
+        """Every higher-is-better suite's best score, promoted versions and the base (what
+        `gate-state` shows)."""
+        suites = {s for v in (BASE, *self.promoted) if v in self.records for s in self.records[v].results}
+        return {s: b[1].score for s in sorted(suites) if (b := self.best_of(s)) is not None}
+
+    def judge(self, rec: Record, rules: Rules, exclude: int | None = None) -> Judgement:
+        """Whether `rec` passes every required suite (all present), with one reason each."""
+        out = Judgement()
+        for suite in rules.suites:
+            best = self.best_of(suite, exclude)
+            test, reason = judge_suite(suite, rec.results[suite], best, rules)
+            out.ok = out.ok and test.passed
+            out.reasons.append(reason)
+            out.tests[suite] = test
+            if best is not None and test.test != "limit":
+                out.baseline[suite] = best[1].score
+        return out
 
     def decide(self, rules: Rules, now: float) -> list[Verdict]:
-        """Judge what new facts allow: promoted versions with new results, then candidates."""
+        """Judge what new facts allow: promoted versions with new results, then candidates,
+        then what newer judged versions left behind."""
         verdicts = []
         for v in sorted(self.promoted, reverse=True):
             rec = self.records[v]
             if v in self.fresh and not rec.missing(rules.suites):
-                baseline = self.baseline(rules.suites, exclude=v)
-                ok, reasons = judge(rec, rules, baseline)
-                if ok:
-                    rec.reasons = reasons  # still passes: its reasons now cite the new results
+                j = self.judge(rec, rules, exclude=v)
+                if j.ok:
+                    rec.reasons, rec.tests = j.reasons, j.tests  # still passes: on the new results
                     self.changed.add(v)
                 else:
                     self.promoted.remove(v)
-                    verdicts.append(self._set(rec, "rolled_back", ["fails on re-evaluation", *reasons],
-                                              baseline, now))
+                    verdicts.append(self._set(rec, "rolled_back", ["fails on re-evaluation", *j.reasons], j, now))
         top = max(self.promoted, default=BASE)
         for v in sorted(self.records):
             rec = self.records[v]
@@ -220,24 +272,39 @@ class GateBook:
                 continue
             missing = rec.missing(rules.suites)
             if not missing and (rec.decision is None or v in self.fresh):
-                baseline = self.baseline(rules.suites)
-                ok, reasons = judge(rec, rules, baseline)
-                verdicts.append(self._set(rec, "promoted" if ok else "refused", reasons, baseline, now))
-                if ok:
+                j = self.judge(rec, rules)
+                verdicts.append(self._set(rec, "promoted" if j.ok else "refused", j.reasons, j, now))
+                if j.ok:
                     self.promoted.append(v)
                     top = v
             elif missing and rec.decision is None and rec.first_seen is not None \
                     and now - rec.first_seen >= rules.wait_s:
                 reasons = [f"unevaluated: no {', '.join(missing)} result within {rules.wait_s:g}s"]
-                verdicts.append(self._set(rec, "refused", reasons, {}, now))
+                verdicts.append(self._set(rec, "refused", reasons, Judgement(ok=False), now))
+        verdicts.extend(self._skip(rules, top, now))
         self.fresh.clear()
         return verdicts
 
-    def _set(self, rec: Record, decision: Decision, reasons: list[str], baseline: dict[str, float],
-             now: float) -> Verdict:
-        rec.decision, rec.reasons, rec.decided_at = decision, reasons, now
+    def _skip(self, rules: Rules, top: int, now: float) -> list[Verdict]:
+        """Undecided versions below the newest one judged on its results: skipped."""
+        judged = [v for v, r in self.records.items() if r.decision in JUDGED and not r.missing(rules.suites)]
+        newest = max(judged, default=BASE)
+        out = []
+        for v in sorted(self.records):
+            rec = self.records[v]
+            if BASE < v < newest and rec.decision is None:
+                missing = rec.missing(rules.suites)
+                reason = (f"superseded: v{top} was promoted before its results came" if not missing
+                          else f"not evaluated ({', '.join(missing)} missing): v{newest} was judged first")
+                out.append(self._set(rec, "skipped", [reason], Judgement(ok=False), now))
+        return out
+
+    def _set(self, rec: Record, decision: Decision, reasons: list[str], j: Judgement, now: float) -> Verdict:
+        rec.decision, rec.reasons, rec.decided_at, rec.tests = decision, reasons, now, j.tests
+        if decision != "promoted":  # never a best: its tasks are not compared again (the bucket keeps them)
+            rec.results = {s: replace(r, tasks={}) for s, r in rec.results.items()}
         self.changed.add(rec.version)
-        return Verdict(rec.version, decision, list(reasons), rec.scores(), dict(baseline))
+        return Verdict(rec.version, decision, list(reasons), rec.scores(), dict(j.baseline), dict(j.tests))
 
     # -- what to serve ------------------------------------------------------------------------
     def serving(self, latest: int | None) -> int | None:

@@ -40,7 +40,11 @@ class GateConfig(BaseModel):
 
         NEXTSTATE_GATE__ENABLED=true            serve only versions whose suites pass
         NEXTSTATE_GATE__SUITES=["demo","drift"]  the suites every version must pass
-        NEXTSTATE_GATE__DELTA=0.05              higher-is-better suites: score >= best - delta
+        NEXTSTATE_GATE__ALPHA=0.05              higher-is-better suites: refused only when a paired
+                                                test against the best version on the same tasks says
+                                                "worse" at this level (one-sided; gate_rules.py)
+        NEXTSTATE_GATE__DELTA=0.05              results without per-task scores (nothing to pair):
+                                                score >= best - delta
         NEXTSTATE_GATE__DRIFT_MAX=0.5           lower-is-better suites (drift): score <= this
         NEXTSTATE_GATE__WAIT_S=1800             a version without all its results this long
                                                 after it was first seen is refused (unevaluated)
@@ -50,6 +54,7 @@ class GateConfig(BaseModel):
 
     enabled: bool = False
     suites: list[str] = Field(default_factory=lambda: ["demo", "drift"], min_length=1)
+    alpha: float = Field(0.05, gt=0, lt=1)
     delta: float = Field(0.05, ge=0)
     drift_max: float = Field(0.5, ge=0)
     wait_s: float = Field(1800.0, gt=0)

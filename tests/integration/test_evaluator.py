@@ -3,7 +3,9 @@ evaluation engine, and `python -m services.evaluator` as a user starts it.
 
 A `CheckpointPublished` (as the trainer publishes it) leads to one `EvalResult` per suite
 on `evals` and in the bucket, computed while the evaluation engine served the candidate;
-publishing it again changes nothing. A worker SIGKILLed mid-job: its job runs again on
+publishing it again changes nothing. The base model (v0) is evaluated first, once per run;
+a version not begun when a newer one is committed is skipped (a job asking for its own
+samples never is). A worker SIGKILLed mid-job: its job runs again on
 the next worker once rq counts it abandoned, and there is still one result. A worker
 SIGTERMed mid-job hands the job back without spending a retry. Suites are test-only
 `module:callable`s (tests/support/eval_suites.py); the engine and the evaluator run with
@@ -26,7 +28,7 @@ from rq.job import JobStatus
 
 from shared import checkpoints as ckpt
 from shared.auth import bearer
-from shared.evaljobs import job_id_for, result_key, rq_connection, rq_job_id
+from shared.evaljobs import enqueue_eval, job_id_for, result_key, rq_connection, rq_job_id
 from shared.keys import GROUP_EVALUATOR, Keys
 from shared.schemas import CheckpointPublished, EvalResult
 from shared.settings import Settings
@@ -171,7 +173,7 @@ async def test_each_committed_version_is_evaluated_once_per_suite(
                 assert r.tasks[0].details["weight_version"] == "1"
                 assert (r.ci_low, r.ci_high) == (0.0, 1.0) and r.duration_s > 0
                 assert r.engine == eval_engine and r.worker.startswith(f"{keys.eval_queue}.evaluator-test.")
-                assert r.tasks[0].details["samples"] == 32  # the configured n
+                assert r.tasks[0].details["samples"] == 128  # the default n
             assert weight_version(eval_engine) == "1"
             # The same results in the bucket, one object per suite.
             in_bucket = stored(bucket, run)
@@ -322,3 +324,48 @@ async def test_a_version_pruned_before_its_turn_is_skipped_not_retried(
     assert metric(evaluator, "nextstate_eval_jobs_total", suite=SERVED, outcome="gone") == 1.0
     assert evaluator.stop() == 0, evaluator.logs()
     assert "Traceback" not in evaluator.logs(100_000)
+
+
+async def test_the_base_first_then_only_the_newest_version(
+    s3_settings: Settings, eval_engine: str, start_evaluator: Callable[..., ServiceProcess],
+    models: dict[str, Path],
+) -> None:
+    run, keys = s3_settings.run, Keys(s3_settings.redis.prefix)
+    with Bucket(s3_settings.bucket) as bucket:
+        async with Bus(s3_settings) as bus:
+            # Two versions committed before the evaluator comes up: its dispatcher enqueues
+            # v0 (the base), v21, v22 in that order; v21 has not begun when v22 exists.
+            await commit(bucket, bus, run, 21, models)
+            await commit(bucket, bus, run, 22, models)
+            evaluator = start_evaluator([SERVED], NEXTSTATE_EVAL__BASE_MODEL=str(models["base"]))
+            got = await eventually(lambda: results(bus, 2), timeout=120, what="two results")
+            assert [(r.version, r.score) for r in got] == [(0, 1.0), (22, 1.0)]  # each was served
+            assert got[0].tasks[0].details["weight_version"] == "0"
+            conn = rq_connection(s3_settings.redis.url)
+            try:
+                queue = Queue(keys.eval_queue, connection=conn)
+
+                def done(job_id: str) -> object:
+                    job = queue.fetch_job(rq_job_id(job_id))
+                    return job.return_value() if job is not None and job.is_finished else None
+
+                skipped = await eventually(lambda: done(job_id_for(run, 21, SERVED)), 30, "v21's job")
+                assert skipped["skipped"] == "v22 was committed before the evaluation of v21 began"
+                # Asked for by hand (`nextstate eval run 21 --samples 5`): evaluated all the same.
+                enqueue_eval(conn, keys, run, 21, SERVED, samples=5, timeout_s=300, retries=0)
+            finally:
+                conn.close()
+            again = await eventually(lambda: results(bus, 3), timeout=60, what="v21 on request")
+            assert (again[-1].version, again[-1].tasks[0].details["samples"]) == (21, 5)
+            assert sorted(o.key for o in bucket.list(ckpt.evals_prefix(run))) == sorted(
+                result_key(run, v, SERVED) for v in (0, 21, 22))
+    assert metric(evaluator, "nextstate_eval_jobs_total", suite=SERVED, outcome="skipped") == 1.0
+    assert evaluator.stop() == 0, evaluator.logs()
+
+    # Started again on the same run: the base was evaluated already, and is not again.
+    evaluator = start_evaluator([SERVED], NEXTSTATE_EVAL__BASE_MODEL=str(models["base"]))
+    assert "baseline already evaluated" in evaluator.logs(20_000) or await eventually(
+        lambda: "baseline already evaluated" in evaluator.logs(20_000), 30, "the baseline found")
+    async with Bus(s3_settings) as bus:
+        assert len(await results(bus) or []) == 3
+    assert evaluator.stop() == 0, evaluator.logs()

@@ -1,6 +1,14 @@
 """The promotion gate against real processes: SeaweedFS, Redis, the CPU engine, the watcher
-with NEXTSTATE_GATE__ENABLED. The test plays the evaluator: it publishes `EvalResult`s on
-`evals` as the evaluator's workers would.
+with NEXTSTATE_GATE__ENABLED.
+
+The paired test, end to end with the real evaluator (its `demo` suite on the `vowel` task,
+an evaluation engine of its own): the base is scored first; a version whose answers all
+start with a vowel is promoted over it; one whose answers never do — worse on the very
+same tasks — is refused on its score (McNemar, its p-value, n and effect in the
+`Promotion`) and never served; one equal to the best is promoted.
+
+In the other tests the test plays the evaluator: it publishes `EvalResult`s on `evals` as
+the evaluator's workers would (summary scores without tasks: the gate's threshold).
 
 A deliberately broken version (scrambled weights, a failing demo score, a huge drift) is
 refused and never served while a client keeps getting answers; a better version is
@@ -25,7 +33,7 @@ import pytest
 
 from shared import checkpoints as ckpt
 from shared.gate_view import GateView, gate_view
-from shared.schemas import EvalResult, PolicyLoaded, Promotion, eval_job_id
+from shared.schemas import CheckpointPublished, EvalResult, PolicyLoaded, Promotion, eval_job_id
 from shared.settings import Settings
 from shared.store import Bucket
 from shared.streams import Bus
@@ -41,6 +49,7 @@ from tests.integration.test_watcher import (  # noqa: F401  (fixtures)
     weight_version,
 )
 from tests.support.servers import ServiceProcess, free_port
+from tests.support.steered import CONSONANTS, VOWELS, steer
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -64,7 +73,8 @@ def scrambled(src: Path, dest: Path) -> Path:
     return dest
 
 
-def gated_watcher(engine_url: str, s3_env: dict[str, str], local_dir: Path, wait_s: float = 3600) -> ServiceProcess:
+def gated_watcher(engine_url: str, s3_env: dict[str, str], local_dir: Path, wait_s: float = 3600,
+                  suites: tuple[str, ...] = ("demo", "drift")) -> ServiceProcess:
     env = {
         **s3_env,
         "NEXTSTATE_WATCHER__ENGINE_URL": engine_url,
@@ -74,7 +84,7 @@ def gated_watcher(engine_url: str, s3_env: dict[str, str], local_dir: Path, wait
         "NEXTSTATE_WATCHER__PORT": str(free_port()),
         "NEXTSTATE_INTERNAL__TOKEN": TOKEN,
         "NEXTSTATE_GATE__ENABLED": "true",
-        "NEXTSTATE_GATE__SUITES": '["demo","drift"]',
+        "NEXTSTATE_GATE__SUITES": json.dumps(list(suites)),
         "NEXTSTATE_GATE__DELTA": "0.05",
         "NEXTSTATE_GATE__DRIFT_MAX": str(DRIFT_MAX),
         "NEXTSTATE_GATE__WAIT_S": str(wait_s),
@@ -233,6 +243,82 @@ async def test_broken_refused_better_promoted_worse_rolled_back(
     finally:
         assert watcher.stop() == 0, watcher.logs()
     assert "Traceback" not in watcher.logs(100_000)
+
+
+async def test_a_version_worse_on_the_same_tasks_is_refused_an_equal_one_promoted(
+    s3_settings: Settings, s3_env: dict[str, str], engine: str, models: dict[str, Path],  # noqa: F811
+    watch_dir: Path, tmp_path: Path,
+) -> None:
+    run, base = s3_settings.run, models["a"]  # `engine` serves models["a"]
+    vowel = steer(base, tmp_path / "vowel", VOWELS)  # every answer starts with a vowel
+    consonant = steer(base, tmp_path / "consonant", CONSONANTS)  # none does
+    eval_port = free_port()
+    eval_engine = ServiceProcess("engine", {**s3_env, "NEXTSTATE_INTERNAL__TOKEN": TOKEN},
+                                 ["--model", str(base), "--port", str(eval_port)]).start()
+    evaluator = ServiceProcess("evaluator", {
+        **s3_env, "NEXTSTATE_INTERNAL__TOKEN": TOKEN,
+        "NEXTSTATE_EVAL__ENGINE_URL": f"http://127.0.0.1:{eval_port}",
+        "NEXTSTATE_EVAL__SUITES": '["demo"]', "NEXTSTATE_EVAL__DEMO_TASK": "vowel",
+        "NEXTSTATE_EVAL__SAMPLES": "16", "NEXTSTATE_EVAL__MAX_TOKENS": "3",
+        "NEXTSTATE_EVAL__BASE_MODEL": str(base), "NEXTSTATE_EVAL__TOKENIZER": str(base),
+        "NEXTSTATE_EVAL__LOCAL_DIR": str(tmp_path / "eval-checkpoints"),
+        "NEXTSTATE_EVAL__PORT": str(free_port()), "NEXTSTATE_EVAL__CONSUMER_NAME": "evaluator-paired",
+        "NEXTSTATE_EVAL__MAINTENANCE_S": "1",
+    })
+    watcher = None
+    try:
+        eval_engine.wait_http(f"http://127.0.0.1:{eval_port}/health", timeout=120)
+        evaluator.start().wait_http(f"http://127.0.0.1:{evaluator.env['NEXTSTATE_EVAL__PORT']}/readyz", timeout=90)
+        watcher = gated_watcher(engine, s3_env, watch_dir, suites=("demo",))
+        with Bucket(s3_settings.bucket) as bucket, Client(engine) as client:
+            async with Bus(s3_settings) as bus:
+                async def decided(version: int) -> Promotion | None:
+                    return next((p for p in await promotions(bus) or [] if p.version == version), None)
+
+                async def commit(version: int, folder: Path) -> Promotion:
+                    ckpt.publish_checkpoint(bucket, run, version, folder, step=version, base_model=str(base))
+                    await bus.publish("checkpoints", CheckpointPublished(
+                        run=run, version=version, step=version, manifest=ckpt.manifest_key(run, version)))
+                    return await eventually(lambda: decided(version), 120, f"v{version} decided")  # type: ignore[no-any-return]
+
+                # The base, evaluated first without being asked: it never starts with a vowel.
+                base_result = await eventually(lambda: _result(bus, 0), 120, "the base's result")
+                assert (base_result.score, base_result.n) == (0.0, 16)
+
+                p1 = await commit(1, vowel)  # 16 gained: promoted over the base, served
+                assert (p1.decision, p1.baseline, p1.scores) == ("promoted", {"demo": 0.0}, {"demo": 1.0})
+                t1 = p1.tests["demo"]
+                assert (t1.test, t1.n, t1.lost, t1.gained, t1.against, t1.p_value) == \
+                    ("mcnemar_exact", 16, 0, 16, 0, 1.0)
+                await eventually(lambda: weight_version(engine) == "1", 60, "v1 served")
+
+                p2 = await commit(2, consonant)  # worse on the very same 16 tasks: refused on its score
+                t2 = p2.tests["demo"]
+                assert (p2.decision, p2.serving, p2.schema_version) == ("refused", 1, 2)
+                assert (t2.test, t2.passed, t2.n, t2.lost, t2.gained, t2.effect, t2.against) == \
+                    ("mcnemar_exact", False, 16, 16, 0, -1.0, 1)
+                assert t2.p_value == 2.0**-16 and t2.alpha == 0.05
+                assert p2.reasons == ["demo 0 vs v1 1: 16 lost, 0 gained of 16 paired tasks, "
+                                      "McNemar p=1.53e-05 < 0.05: worse"]
+
+                p3 = await commit(3, vowel)  # the same answers as the best: not worse, promoted
+                assert (p3.decision, p3.tests["demo"].p_value, p3.tests["demo"].effect) == ("promoted", 1.0, 0.0)
+                await eventually(lambda: weight_version(engine) == "3", 60, "v3 served")
+                # What the operator sees: the decision with its test.
+                row = json.loads((await bus.redis.hgetall(bus.keys.gate_state))["version:2"])
+                assert row["decision"] == "refused" and row["tests"]["demo"]["p_value"] == 2.0**-16
+        assert not client.failures, client.failures[:5]
+        assert "2" not in client.versions and {"1", "3"} <= set(client.versions), client.versions
+    finally:
+        for proc in (watcher, evaluator, eval_engine):
+            if proc is not None:
+                proc.stop()
+    assert "Traceback" not in evaluator.logs(100_000), evaluator.logs(20_000)
+
+
+async def _result(bus: Bus, version: int) -> EvalResult | None:
+    rows = await bus.redis.xrange(bus.keys.evals)
+    return next((r for r in (EvalResult.from_json(f["data"]) for _, f in rows) if r.version == version), None)
 
 
 async def _watcher_state(bus: Bus, checked_after: float = 0.0, **want: str) -> dict[str, str] | None:

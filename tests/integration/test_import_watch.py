@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -274,3 +275,42 @@ def test_mock_continuous_paces_and_stops_cleanly(stack: Stack, tmp_path: Path) -
     assert len({g.rsplit("-", 1)[0] for g in got}) == 1  # one run's nonce
     assert sent % 3 == 0 and sent <= 20 * elapsed + 3, (sent, elapsed)  # 3 per request, never above the rate
     assert "sessions mock-" in out and "until stopped" in out
+
+
+def test_truncated_files_blank_lines_bad_bytes_and_a_dead_watchers_lock(redis_url: str, tmp_path: Path) -> None:
+    """The file-following rules on their own (what the buffer answers is the test above's):
+    a truncated file is read again from its start, blank lines advance the offset, a line
+    that is not UTF-8 is a dead letter, a hard link is one file, and a lock left by a
+    watcher that died on this host is taken over."""
+    from services.ctl.import_watch import Watch
+
+    keys = Keys(f"iw-{os.urandom(4).hex()}")
+    r: Any = redis.Redis.from_url(redis_url, decode_responses=True)
+    sent: list[tuple[int, Any]] = []
+
+    def send(chunk: list[tuple[int, Any]], where: str) -> dict[str, Any]:
+        sent.extend(chunk)
+        return {"records": len(chunk), "published": len(chunk)}
+
+    inbox = tmp_path / "in"
+    inbox.mkdir()
+    path = inbox / "a.jsonl"
+    path.write_bytes(b'{"n": 1}\n\n   \n\xff\xfe\n{"n": 2}\n')
+    os.link(path, inbox / "b.jsonl")
+    r.set(keys.import_lock("w"), json.dumps({"host": os.uname().nodename, "pid": 2 ** 22 + 7, "token": "x"}))
+    watch = Watch(inbox, "*.jsonl", "w", r, keys, send, 10, threading.Event())
+    watch.run(poll=0.1, once=True)
+    assert sent == [(1, {"n": 1}), (5, {"n": 2})]  # once, though two names; bad line 4 skipped
+    (letter,) = [DeadLetter.from_json(f[K.FIELD]) for _, f in r.xrange(keys.dead)]
+    assert letter.entry_id.endswith(":4") and "not UTF-8" in letter.error
+    assert r.get(keys.import_lock("w")) is None  # released at the end
+    path.write_bytes(b'{"n": 3}\n')  # truncated and rewritten (copytruncate): same inode
+    watch.run(poll=0.1, once=True)
+    assert sent[-1] == (1, {"n": 3})
+    with path.open("ab") as f:
+        f.write(b'{"n": 4}\n\n')
+    watch.run(poll=0.1, once=True)
+    assert sent[-1] == (2, {"n": 4}) and len(sent) == 4
+    (pos,) = [json.loads(v) for v in r.hgetall(keys.import_offsets("w")).values()]
+    assert (pos["offset"], pos["line"]) == (path.stat().st_size, 3)  # past the trailing blank line
+    r.close()

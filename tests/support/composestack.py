@@ -40,11 +40,12 @@ def docker_unavailable() -> str | None:
     if shutil.which("docker") is None:
         return "no docker client (make docker installs Debian's docker.io as root)"
     try:
+        # a busy engine (a build finishing, a loaded machine) may take a while to answer
         info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              text=True, timeout=30)
-        plugin = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+                              text=True, timeout=180)
+        plugin = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
-        return "docker did not answer within 30 s"
+        return "docker did not answer within 180 s"
     if info.returncode != 0:
         return f"no Docker engine answers ({info.stderr.strip()[:200]}); make docker starts dockerd as root"
     if plugin.returncode != 0:

@@ -3,6 +3,7 @@
 - `served`: asks the evaluation engine what it serves (`/model_info`, with the internal
   credential) and scores 1 when it is the candidate: a result of 1 proves the candidate
   was loaded when the suite ran.
+- `served_model`: the engine serves a model outside the run, and which.
 - `slow`: `served`, except that the first attempt of each (run, version) hangs until the
   process dies. Every attempt leaves a marker file `<run>-v<version>-<attempt>-<pid>` in
   `$NS_EVAL_MARKS`, so a test sees when an attempt started, and how many there were.
@@ -53,3 +54,16 @@ async def slow(ctx: EvalContext) -> SuiteOutcome:
 
 
 served_again = served  # a second suite name for the same check (one job per suite name)
+
+
+async def served_model(ctx: EvalContext) -> SuiteOutcome:
+    """What the evaluation engine serves while the suite runs (`/model_info`): score 1 when
+    it is a model outside the run (weight version `model:<job id>`), its path in the task."""
+    async with httpx.AsyncClient(headers=ctx.headers, timeout=10.0) as client:
+        r = await client.get(f"{ctx.engine_url}/model_info")
+        r.raise_for_status()
+    info = r.json()
+    ok = str(info["weight_version"]).startswith("model:")
+    return SuiteOutcome(score=1.0 if ok else 0.0, n=1, tasks=[TaskResult(
+        task="model_path", score=1.0 if ok else 0.0, passed=ok,
+        details={"model_path": info["model_path"], "weight_version": info["weight_version"], "run": ctx.run})])

@@ -186,6 +186,25 @@ def test_the_judge_model_key(
     assert (got.get_secret_value() if got is not None else None) == expected
 
 
+@pytest.mark.parametrize(("url", "key", "expected"), [
+    ("http://judge-model:30000", None, TOKEN),            # the stack's judge-model engine
+    ("http://judge-model:30000/v1", "hosted-key", TOKEN),  # takes nothing else: a stray key is not sent
+    ("https://api.example.com/v1", "hosted-key", "hosted-key"),  # a hosted judge: never the token
+    ("https://api.example.com/v1", None, None),
+])  # fmt: skip
+def test_the_judge_model_engine_gets_the_internal_token(
+    monkeypatch: pytest.MonkeyPatch, url: str, key: str | None, expected: str | None
+) -> None:
+    monkeypatch.setenv("NEXTSTATE_INTERNAL__TOKEN", TOKEN)
+    monkeypatch.setenv("NEXTSTATE_JUDGE__URL", url)
+    monkeypatch.setenv("NEXTSTATE_JUDGE__ENGINE_URL", "http://engine:30000")
+    monkeypatch.setenv("NEXTSTATE_JUDGE__JUDGE_ENGINE_URL", "http://judge-model:30000")
+    if key is not None:
+        monkeypatch.setenv("NEXTSTATE_JUDGE__API_KEY", key)
+    got = load_settings(JudgeSettings).judge.api_key
+    assert (got.get_secret_value() if got is not None else None) == expected
+
+
 # -- nextstate up ---------------------------------------------------------------------------------
 def test_up_generates_a_token_per_start_unless_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.ctl.up import internal_token

@@ -35,7 +35,8 @@ COMPOSE = REPO / "docker-compose.yml"
 ENV_EXAMPLE = REPO / ".env.example"
 
 # `${NAME}`, `${NAME:-default}`, `${NAME-default}`, `${NAME:?message}`, `${NAME?message}`.
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+# Innermost first: a default may hold another variable (`${JUDGE_MODEL_DIR:-${NEXTSTATE_MODEL_DIR}}`).
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}$]*))?\}")
 _SECRET_WORDS = ("PASSWORD", "SECRET", "API_KEY", "TOKEN")
 
 
@@ -66,8 +67,13 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
             return arg
         return val or ""
 
+    def resolve(part: str) -> str:
+        while (done := _VAR.sub(one, part)) != part:
+            part = done
+        return part
+
     parts = value.split("$$")
-    return "$".join(_VAR.sub(one, p) for p in parts)
+    return "$".join(resolve(p) for p in parts)
 
 
 def interpolate_tree(node: Any, env: Mapping[str, str]) -> Any:
@@ -95,7 +101,13 @@ def _strings(node: Any) -> Iterator[str]:
 def referenced_vars(doc: Any) -> dict[str, str | None]:
     """Every variable interpolated in a parsed YAML document (comments do not count)
     -> its operator (None, ':-', '-', ':?', '?')."""
-    return {m.group(1): m.group(2) for s in _strings(doc) for m in _VAR.finditer(s.replace("$$", ""))}
+    found: dict[str, str | None] = {}
+    for s in _strings(doc):
+        s = s.replace("$$", "")
+        while matches := list(_VAR.finditer(s)):
+            found.update({m.group(1): m.group(2) for m in matches})
+            s = _VAR.sub("x", s)
+    return found
 
 
 def filled_example_env() -> dict[str, str]:
@@ -522,6 +534,8 @@ def test_interpolation_helper() -> None:
     with pytest.raises(LookupError, match="E: need E"):
         interpolate("${E:?need E}", env)
     assert interpolate("${E?need E}", env) == ""
+    assert interpolate("${E:-${A}}/${B:-${E:-d}}", env) == "1/d"  # a default holding another variable
+    assert referenced_vars({"k": "${J:-${P:?set P}}"}) == {"J": ":-", "P": ":?"}
 
 
 
@@ -677,6 +691,33 @@ def test_every_up_mode_has_a_compose_recipe(mode: str, monkeypatch: pytest.Monke
         for key, value in want[role].items():
             assert got.get(key) == value, (mode, name, key)
         check_settings_env(module, got, monkeypatch)  # the service accepts the combination
+
+
+def test_the_judge_model_has_an_engine_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profile `judge-model`: our CPU engine serving the judge model (default: the policy's base
+    weights; JUDGE_MODEL_DIR another folder) as `judge`, never the `engine` alias nor the
+    served checkpoints, published nowhere; the judges send it the internal token once
+    JUDGE_URL names it, and a hosted judge never gets the token."""
+    svcs = services()
+    jm = svcs["judge-model"]
+    assert jm["profiles"] == ["judge-model"] and python_module(jm["command"]) == "services.engine"
+    env = jm["environment"]
+    assert (env["NEXTSTATE_ENGINE__MODEL"], env["NEXTSTATE_ENGINE__SERVED_MODEL_NAME"]) == ("/models/judge", "judge")
+    assert jm["volumes"] == ["./models/policy:/models/judge:ro"]  # the policy's base weights, read-only
+    other = compose({**filled_example_env(), "JUDGE_MODEL_DIR": "/srv/qwen"})["services"]["judge-model"]
+    assert other["volumes"] == ["/srv/qwen:/models/judge:ro"]
+    assert "networks" not in jm and "ports" not in jm  # not `engine`, reachable only inside the stack
+    assert env["NEXTSTATE_INTERNAL__TOKEN"] == filled_example_env()["NEXTSTATE_INTERNAL__TOKEN"]
+    assert "30000" in " ".join(jm["healthcheck"]["test"])
+    judge = svcs["judge"]
+    assert judge["depends_on"]["judge-model"] == {"condition": "service_healthy", "required": False}
+    token = filled_example_env()["NEXTSTATE_INTERNAL__TOKEN"]
+    for url, key in (("http://judge-model:30000", token), ("https://api.example.com/v1", None)):
+        got = compose({**filled_example_env(), "JUDGE_URL": url, "JUDGE_MODEL": "judge"})["services"]["judge"]
+        settings = check_settings_env("services.judge", {k: str(v) for k, v in got["environment"].items()},
+                                      monkeypatch)
+        api_key = settings.judge.api_key  # type: ignore[attr-defined]
+        assert (api_key.get_secret_value() if api_key is not None else None) == key, url
 
 
 def test_the_lora_override_appends_the_engines_lora_flags_and_nothing_else() -> None:

@@ -45,6 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy/k8s/base"
 GPU = REPO / "deploy/k8s/overlays/gpu"
 VLLM = REPO / "deploy/k8s/overlays/vllm"
+JUDGE_MODEL = REPO / "deploy/k8s/components/judge-model"
+JUDGE_MODEL_OVERLAY = REPO / "deploy/k8s/overlays/judge-model"
 WORKLOADS = ("Deployment", "StatefulSet")
 OUR_IMAGES = ("nextstate-light", "nextstate-torch")
 VALID_REDIS_URL = "redis://:Passw0rd@redis:6379/0"
@@ -335,7 +337,7 @@ def test_gpu_overlay_patches() -> None:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("folder", [BASE, GPU, VLLM], ids=["base", "gpu", "vllm"])
+@pytest.mark.parametrize("folder", [BASE, GPU, VLLM, JUDGE_MODEL_OVERLAY], ids=["base", "gpu", "vllm", "judge-model"])
 def test_kustomize_renders(folder: Path) -> None:
     out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True,
                          timeout=60, check=False)
@@ -642,6 +644,41 @@ def test_each_evaluator_pod_carries_its_own_evaluation_engine() -> None:
     assert sglang["args"][sglang["args"].index("--port") + 1] == engine_env["NEXTSTATE_ENGINE__PORT"]
     assert sglang["args"][sglang["args"].index("--api-key") + 1] == "$(NEXTSTATE_INTERNAL__TOKEN)"
     assert "securityContext" not in patch  # root for the SGLang container only, not the evaluator
+
+
+def test_the_judge_model_component_gives_the_judges_an_engine_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """components/judge-model: our CPU engine serving the judge model (the policy's base weights
+    unless its volume is patched) as `judge`, with probes, resources and the internal token,
+    never the served checkpoints; the judges' patch points them at it, and their settings
+    send it the token. overlays/judge-model is the base with it."""
+    docs = [d for d in yaml.safe_load_all((JUDGE_MODEL / "judge-model.yaml").read_text()) if d]
+    component = kustomization(JUDGE_MODEL)
+    assert component["kind"] == "Component" and set(component["resources"]) == {"judge-model.yaml"}
+    assert kustomization(JUDGE_MODEL_OVERLAY)["components"] == ["../../components/judge-model"]
+    service, deployment = by_kind(docs, "Service")["judge-model"], by_kind(docs, "Deployment")["judge-model"]
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    (name, spec, c), = containers(docs)
+    assert name == "judge-model"
+    assert python_module(c["command"]) == "services.engine" and c["image"] == "nextstate-torch"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NEXTSTATE_ENGINE__SERVED_MODEL_NAME"]["value"] == "judge"
+    assert env["NEXTSTATE_INTERNAL__TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "nextstate-secrets", "key": "NEXTSTATE_INTERNAL__TOKEN"}
+    assert {"livenessProbe", "readinessProbe"} <= set(c) and {"cpu", "memory"} <= set(c["resources"]["limits"])
+    (mount,) = c["volumeMounts"]
+    assert mount["mountPath"] == env["NEXTSTATE_ENGINE__MODEL"]["value"] and mount["readOnly"]
+    (volume,) = spec["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == "nextstate-models"  # not `checkpoints`
+    patch = yaml.safe_load((JUDGE_MODEL / "judge-uses-judge-model.yaml").read_text())
+    judge_env = {e["name"]: e["value"] for e in patch["spec"]["template"]["spec"]["containers"][0]["env"]}
+    base_judge = next(c for n, _, c in containers(base_docs()) if n == "judge")
+    merged = {**container_env(base_judge, base_docs()), **judge_env,  # the Secret's values filled in
+              "NEXTSTATE_INTERNAL__TOKEN": VALID_TOKEN, "NEXTSTATE_REDIS__URL": VALID_REDIS_URL}
+    assert merged["NEXTSTATE_JUDGE__URL"] == merged["NEXTSTATE_JUDGE__JUDGE_ENGINE_URL"] == "http://judge-model:30000"
+    assert merged["NEXTSTATE_JUDGE__ENGINE_URL"] == "http://engine:30000"  # OPD's teacher: the policy
+    settings = check_settings_env("services.judge", merged, monkeypatch)
+    key = settings.judge.api_key  # type: ignore[attr-defined]
+    assert key is not None and key.get_secret_value() == VALID_TOKEN
 
 
 COMPONENTS = REPO / "deploy/k8s/components"

@@ -86,8 +86,32 @@ def test_code_is_copied_after_the_dependencies_so_a_code_change_reuses_them() ->
         install = text.index('pip install ".[')
         assert text.index("COPY pyproject.toml") < install < text.index("COPY shared")
         assert "COPY README.md" not in text  # README edits must not reinstall everything
-        final = text[text.rindex("\nFROM "):]
-        assert final.index("COPY --from=build /opt/venv") < final.index("COPY shared")
+        # one stage after the wheels: no venv copied between stages on a dependency change
+        assert "COPY --from=build" not in text
+        assert text.index("COPY shared") > text.rindex('pip install ".[')
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=!; ]", r.strip(), maxsplit=1)[0].lower().replace("_", "-")
+            for r in requirements if r.strip() and not r.lstrip().startswith("#")}
+
+
+@pytest.mark.parametrize(("image", "extras"), [("light", ("collector", "judge", "buffer", "watcher", "ctl", "envs")),
+                                                ("torch", ("engine", "trainer"))])
+def test_the_heavy_dependency_layer_holds_every_dependency_of_the_images_extras(
+        image: str, extras: tuple[str, ...]) -> None:
+    """So that a change to pyproject.toml installs only what it adds (seconds), not all."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = _names(project["dependencies"])
+    for extra in extras:
+        wanted |= _names(project["optional-dependencies"][extra])
+    wanted -= {"torch"}  # from the wheel or the index, before this layer
+    have = _names((REPO / "deploy" / "requirements" / f"{image}.txt").read_text().splitlines())
+    assert wanted <= have, f"add to deploy/requirements/{image}.txt: {sorted(wanted - have)}"
+    text = (REPO / "deploy" / f"Dockerfile.{image}").read_text()
+    assert text.index(f"COPY deploy/requirements/{image}.txt") < text.index("COPY pyproject.toml")
 
 
 def test_the_offline_override_swaps_every_third_party_image_and_builds_on_local_bases() -> None:

@@ -166,3 +166,22 @@ def test_settings_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch, env:
 def test_quorum_default_is_a_majority() -> None:
     assert [JudgeConfig(votes=m).needed for m in (1, 2, 3, 4, 5)] == [1, 2, 2, 3, 3]
     assert JudgeConfig(votes=3, quorum=1).needed == 1
+
+
+def test_verdict_grammar_constrains_prm_votes_only() -> None:
+    """VERDICT_GRAMMAR: the PRM votes' /generate bodies carry the three-label grammar and the
+    verdict-only prompt; hint calls stay free text; it needs the sglang backend and labels."""
+    from services.judge.backend import VERDICT_EBNF, SGLangTextBackend
+
+    cfg = JudgeConfig(backend="sglang", verdict_grammar=True, max_tokens=8)
+    assert cfg.prompt_version == "prm-verdict-v1"
+    backend = SGLangTextBackend(cfg)
+    messages = [{"role": "user", "content": "turn"}]
+    assert backend.body(messages, "prm")["sampling_params"] == {
+        "temperature": 0.6, "max_new_tokens": 8, "ebnf": VERDICT_EBNF}
+    assert "ebnf" not in backend.body(messages, "hint")["sampling_params"]
+    assert "ebnf" not in SGLangTextBackend(JudgeConfig(backend="sglang")).body(messages, "prm")["sampling_params"]
+    assert VERDICT_EBNF == 'root ::= "\\\\boxed{" ("1" | "0" | "-1") "}"'
+    for bad in ({"backend": "openai"}, {"backend": "sglang", "scores": "graded"}):
+        with pytest.raises(ValueError, match="VERDICT_GRAMMAR"):
+            JudgeConfig(verdict_grammar=True, **bad)  # type: ignore[arg-type]

@@ -61,13 +61,15 @@ def test_what_each_role_may_touch() -> None:
 def test_the_evaluator_touches_its_queues_keys_only() -> None:
     """Its stream work under the prefix; in rq's namespace only the eval queue `exp-eval`, its
     registries, workers named after it and evaluation jobs (`eval_2e…`); for its `env:<name>`
-    suites, enqueuing episodes on `exp-envs` and reading their results; no Pub/Sub, no INFO."""
+    suites, enqueuing episodes on `exp-envs` and reading their results; the state of a
+    model's evaluation (`eval run --model`), written only; no Pub/Sub, no INFO."""
     rules = redis_acl.rules("evaluator", "exp")
     text = " ".join(rules)
     ours = set(re.findall(r"~exp:(\S+?)(?=[ )]|$)", text))
     assert ours == {"checkpoints", "done:evaluator:*", "evals", "dead", "eval-enqueued:*",
-                    "episode-enqueued:*", "eval-episodes:*"}
+                    "episode-enqueued:*", "eval-episodes:*", "model-eval:*"}
     assert "(%R~exp:eval-episodes:* +hgetall +hlen)" in rules  # the workers write them
+    assert "(%W~exp:model-eval:* +hset +expire)" in rules  # the CLI reads it
     rq = set(re.findall(r"~(rq:\S+?)(?=[ )]|$)", text))
     allowed = re.compile(r"rq:(queues|workers|suspended|[a-z_]+:exp-eval(:intermediate\*|\.\*)?|"
                          r"(job:?|results|execution|executions):eval_2e\*|"

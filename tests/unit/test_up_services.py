@@ -52,6 +52,7 @@ async def groups(tmp_path: Path, *argv: str) -> tuple[dict[str, Proc], list[list
     recorder = Recorder(out=io.StringIO())
     stack = Stack(args, load_settings(Settings), recorder)
     await stack.services(tmp_path / "model")
+    await stack.settled()
     return {p.name: p for p in stack.sup.procs}, recorder.started
 
 
@@ -173,3 +174,95 @@ async def test_mode_sets_the_judge_buffer_and_trainer_alike(tmp_path: Path, monk
     assert topk["trainer"].env["NEXTSTATE_TRAINER__LOSS"] == "opd_topk"
     rl = await launched(tmp_path / "d")
     assert "NEXTSTATE_TRAINER__LOSS" not in rl["trainer"].env and "NEXTSTATE_JUDGE__TOPK" not in rl["judge-0"].env
+
+
+async def test_judge_model_gets_an_engine_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--judge-model policy`: the policy's base weights on a `judge-model` engine that is not
+    the serving one (its own port, never on the serving path); the judges use it (prm by
+    default, its model name, the internal token through JUDGE_ENGINE_URL) — even over a
+    NEXTSTATE_JUDGE__URL in the environment — and keep the policy engine for teacher log-probs."""
+    monkeypatch.setenv("NEXTSTATE_JUDGE__URL", "https://hosted.example/v1")
+    procs, started = await groups(tmp_path / "a", "--judge-model", "policy", "--judges", "2")
+    # Beside the serving path, which never waits for them: the judge-model engine, then the judges.
+    assert sorted(map(tuple, started)) == sorted([("judge-model",), ("engine", "buffer", "trainer", "eval-engine"),
+                                                   ("collector", "watcher", "evaluator"), ("judge-0", "judge-1")])
+    assert started.index(["judge-model"]) < started.index(["judge-0", "judge-1"])
+    assert started.index(["engine", "buffer", "trainer", "eval-engine"]) < started.index(["judge-0", "judge-1"])
+    engine, judging = procs["engine"], procs["judge-model"]
+    assert judging.argv[-6:] == ["--model", str(tmp_path / "a" / "model"), "--port", str(judging.port),
+                                 "--served-model-name", "judge"]  # fmt: skip
+    assert "--served-model-name" not in engine.argv and engine.port != judging.port
+    assert not judging.serving_path and judging.ready is not None
+    assert {n for n, p in procs.items() if p.serving_path} == {"engine", "collector"}
+    judge_url = f"http://127.0.0.1:{judging.port}"
+    for name in ("judge-0", "judge-1"):
+        env = procs[name].env
+        assert env["NEXTSTATE_JUDGE__URL"] == env["NEXTSTATE_JUDGE__JUDGE_ENGINE_URL"] == judge_url
+        assert (env["NEXTSTATE_JUDGE__TYPE"], env["NEXTSTATE_JUDGE__MODEL"]) == ("prm", "judge")
+        assert env["NEXTSTATE_JUDGE__ENGINE_URL"] == f"http://127.0.0.1:{engine.port}"  # OPD's teacher
+        assert env["NEXTSTATE_JUDGE__MAX_TOKENS"] == "256"  # a local CPU judge's defaults
+        assert env["NEXTSTATE_JUDGE__JUDGE_TOKENIZER"] == str(tmp_path / "a" / "model")
+    watcher = procs["watcher"].env["NEXTSTATE_WATCHER__ENGINE_URL"]
+    assert watcher == f"http://127.0.0.1:{engine.port}"  # versions go to the serving engine only
+
+    # A folder of its own; the user's NEXTSTATE_JUDGE__* (but the URL) still win over up's defaults.
+    monkeypatch.setenv("NEXTSTATE_JUDGE__MAX_TOKENS", "64")
+    other = await launched(tmp_path / "b", "--judge-model", str(tmp_path / "judge"), "--mode", "opd",
+                           "--no-train", "--judge", "rule")
+    assert other["judge-model"].argv[other["judge-model"].argv.index("--model") + 1] == str(tmp_path / "judge")
+    env = other["judge-0"].env
+    assert env["NEXTSTATE_JUDGE__TYPE"] == "rule" and "NEXTSTATE_JUDGE__MAX_TOKENS" not in env
+    assert env["NEXTSTATE_JUDGE__HINT_SOURCE"] == "llm"  # hints from the judge model
+    assert "judge-model" not in await launched(tmp_path / "c")
+
+
+async def test_judge_model_on_vllm(tmp_path: Path) -> None:
+    """With --engine vllm the judge model is a vLLM server of its own, named `judge`."""
+    from shared.vllm_engine import VLLMLaunch
+
+    args = build_parser().parse_args(["up", "--home", str(tmp_path), "--judge-model", "policy", "--no-train"])
+    args.vllm = VLLMLaunch(python="/v/bin/python", threads=1)
+    stack = Stack(args, load_settings(Settings), Recorder(out=io.StringIO()))
+    await stack.services(tmp_path / "model")
+    await stack.settled()
+    procs = {p.name: p for p in stack.sup.procs}
+    argv = procs["judge-model"].argv
+    assert argv[:3] == ["/v/bin/python", "-m", "services.vllm"]
+    assert argv[argv.index("--served-model-name") + 1] == "judge"
+    assert procs["engine"].argv[procs["engine"].argv.index("--served-model-name") + 1] == "policy"
+    assert procs["judge-model"].port != procs["engine"].port
+    assert procs["judge-0"].env["NEXTSTATE_JUDGE__URL"] == f"http://127.0.0.1:{procs['judge-model'].port}"
+
+
+def test_judge_model_must_be_a_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "policy"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = build_parser().parse_args(["up", "--home", str(tmp_path), "--model", str(model),
+                                      "--judge-model", str(tmp_path / "nope")])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert f"--judge-model {tmp_path / 'nope'} is not an HF model folder" in err
+
+
+async def test_the_serving_path_never_waits_for_the_judge_model(tmp_path: Path) -> None:
+    """A judge-model engine that takes its time (a large model loading): the collector starts
+    and `services` returns while it is still starting; the judges follow once it is up."""
+    import asyncio
+
+    release = asyncio.Event()
+
+    class SlowJudgeModel(Recorder):
+        async def start_together(self, procs: Sequence[Proc]) -> list[bool]:
+            if [p.name for p in procs] == ["judge-model"]:
+                await release.wait()
+            return await super().start_together(procs)
+
+    args = build_parser().parse_args(["up", "--home", str(tmp_path), "--judge-model", "policy", "--no-train"])
+    recorder = SlowJudgeModel(out=io.StringIO())
+    stack = Stack(args, load_settings(Settings), recorder)
+    await asyncio.wait_for(stack.services(tmp_path / "model"), 10)
+    assert recorder.started == [["engine", "buffer"], ["collector"]]  # serving, no judge model yet
+    release.set()
+    await asyncio.wait_for(stack.settled(), 10)
+    assert recorder.started[2:] == [["judge-model"], ["judge-0"]]

@@ -13,7 +13,8 @@ why, so the evaluator can refuse its configuration at start. Built-in modules ar
 imported only when resolved (drift pulls torch for its reference).
 
 Every suite is deterministic given `ctx.cfg.seed`, runs `ctx.cfg.samples` tasks with at
-most `CONCURRENCY` requests in flight, and puts a timeout on every call (`call_timeout`).
+most `ctx.cfg.concurrency` requests in flight (the simulated user: `CONCURRENCY`, as its
+user model serves others too), and puts a timeout on every call (`call_timeout`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ BUILTIN = {
     "drift": "services.evaluator.suites.drift:suite",
     "simulated-user": "services.evaluator.suites.simulated_user:suite",
 }
-CONCURRENCY = 4  # requests in flight per suite: the evaluation engine batches them
+CONCURRENCY = 4  # requests in flight by default (the evaluation engine batches them)
 MAX_CALL_TIMEOUT_S = 120.0
 
 T = TypeVar("T")

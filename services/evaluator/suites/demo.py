@@ -59,7 +59,7 @@ async def suite(ctx: EvalContext) -> SuiteOutcome:
                 details={"question": asked[i], "answer": reply.text, "finish_reason": reply.finish_reason},
             )
 
-        results = await run_ordered(len(asked), ask)
+        results = await run_ordered(len(asked), ask, cfg.concurrency)
     passed = sum(bool(r.passed) for r in results)
     n = len(results)
     return SuiteOutcome(

@@ -130,7 +130,7 @@ async def suite(ctx: EvalContext) -> SuiteOutcome:
                          "kl_k3": k3, "kl_k1": kl_k1(d), "max_abs_log_ratio": max(map(abs, d))},
             )  # fmt: skip
 
-        results = await run_ordered(len(ref.samples), one)
+        results = await run_ordered(len(ref.samples), one, cfg.concurrency)
     k3s = [r.score for r in results]
     k1s = [float(r.details["kl_k1"]) for r in results]
     tokens = sum(int(r.details["tokens"]) for r in results)
