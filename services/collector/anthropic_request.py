@@ -21,7 +21,9 @@ chat template renders the same prompt ids and the same `Turn` is captured:
 - `tool_choice` auto / any (chat's "required") / tool (a named function; naming one of
   those tools is a 400) / none;
   `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`;
-  `metadata.user_id` is the `user`.
+  `metadata.user_id` is the `user` — Claude Code's (a JSON string with its device,
+  account and session) gives its account or device as the user and its session id
+  (sessions.py).
 
 Refused with a 400 in Anthropic's error shape: images and documents (the models served
 read text only), a conversation ending on an assistant message (a prefill to continue:
@@ -51,6 +53,7 @@ from services.collector.request import (
     make_call,
     schema_error,
 )
+from services.collector.sessions import claude_user
 from services.collector.settings import CollectorConfig
 from shared.chat_messages import PART_SEPARATOR
 
@@ -360,9 +363,10 @@ def build_count_call(req: CountTokensRequest, cfg: CollectorConfig) -> ChatCall:
 def build_messages_call(req: MessagesRequest, headers: Mapping[str, str], cfg: CollectorConfig) -> MessagesCall:
     dropped = Dropped("messages", cfg.unsupported_tools)
     messages, tools, enabled = _conversation(req, dropped)
-    user = (req.metadata or {}).get("user_id")
-    if user is not None and not isinstance(user, str):
+    user_id = (req.metadata or {}).get("user_id")
+    if user_id is not None and not isinstance(user_id, str):
         raise _bad("metadata.user_id: expected a string", "metadata")
+    user, embedded = claude_user(user_id) if user_id is not None else (None, None)
     try:
         stop = _stop(req.stop_sequences)
     except ApiError as exc:
@@ -371,6 +375,6 @@ def build_messages_call(req: MessagesRequest, headers: Mapping[str, str], cfg: C
         messages, tools, tools_enabled=enabled, headers=headers, cfg=cfg,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_tokens,
         stop=stop, stream=bool(req.stream), user=user, session_id=req.session_id, api="messages",
-        dropped_tools=dropped.header(),
+        dropped_tools=dropped.header(), embedded_session=embedded,
     )  # fmt: skip
     return MessagesCall(req, call)

@@ -93,6 +93,7 @@ class Lookup:
 
     cache: PromptCache | None = None
     session_id: str | None = None
+    conversation: str | None = None  # of the turn it continues: a retry of one replaces it
     turn_index: int = 0  # of the new turn
     closed: int = 0
     paired_by: str | None = None  # the anchor kind that closed the last response's turn
@@ -109,12 +110,17 @@ class Held:
 
 def make_record(
     turn: Turn, cache: PromptCache, deadline: float, siblings: Sequence[str] | None = None,
-    same: Sequence[str] = (),
+    same: Sequence[str] = (), conversation: str | None = None,
 ) -> tuple[str, str]:  # fmt: skip
     """(record, lineage): three JSON lines — header, PromptCache, Turn without prompt_ids
     (they are the cache's ids) — so a request parses only the first two. A group member's
-    header also lists the pending hashes of its `siblings` and of its twins (`same`)."""
-    info = {"deadline": deadline, "session_id": turn.session_id, "turn_index": turn.turn_index}
+    header also lists the pending hashes of its `siblings` and of its twins (`same`). The
+    lineage names the turn's `conversation` when it is not its session id (pending_store.py:
+    two conversations' very same turn is neither's)."""
+    info: dict[str, Any] = {"deadline": deadline, "session_id": turn.session_id,
+                            "turn_index": turn.turn_index}  # fmt: skip
+    if conversation is not None and conversation != turn.session_id:
+        info["conversation"] = conversation
     lineage = json.dumps(info, separators=(",", ":"))
     header = lineage
     if siblings is not None:
@@ -127,7 +133,7 @@ def make_record(
 
 def group_records(
     turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str], deadline: float,
-    anchors: Sequence[Sequence[str]] = (),
+    anchors: Sequence[Sequence[str]] = (), conversation: str | None = None,
 ) -> list[tuple[str, Held]]:  # fmt: skip
     """The pending (hash, record) of each member of a group. `keys[i]` is choice i's
     response hash (`anchors[i]`: its anchors); a choice identical to an earlier one (same
@@ -139,10 +145,10 @@ def group_records(
         if stored[i] == key:  # it holds its hash: a request continuing it finds it
             siblings = [s for s, k in zip(stored, keys, strict=True) if k != key]
             same = [s for j, (s, k) in enumerate(zip(stored, keys, strict=True)) if k == key and j != i]
-            record, lineage = make_record(turn, cache, deadline, siblings, same)
+            record, lineage = make_record(turn, cache, deadline, siblings, same, conversation)
             mine = anchors[i] if anchors else ()
         else:  # a twin: closed by the one holding its hash, or expired
-            record, lineage = make_record(turn, cache, deadline)
+            record, lineage = make_record(turn, cache, deadline, conversation=conversation)
             mine = ()
         out.append((stored[i], Held(record, deadline, lineage, mine)))
     return out
@@ -195,10 +201,11 @@ class Capture:
     # -- the request path ------------------------------------------------------------
 
     async def begin(self, messages: list[dict[str, Any]], cands: Sequence[Candidate],
-                    offer: Offer | None = None) -> Lookup:  # fmt: skip
+                    offer: Offer | None = None, scoped: bool = False) -> Lookup:  # fmt: skip
         """Close the pending turns this request follows up; what the new turn inherits.
         `offer`: the anchors of its last assistant message (`cands[-1]`'s), tried when
-        the prefix rule knows nothing of it."""
+        the prefix rule knows nothing of it (`scoped` to a session id: also when the prefix
+        rule saw that very conversation in two sessions)."""
         if not cands:
             return Lookup()
         keys = [c.key for c in cands]
@@ -211,7 +218,7 @@ class Capture:
             try:
                 async with asyncio.timeout(self.timeout):
                     closed, lineage = await self.fast.lookup(
-                        keys, keys[-1], [_dumps(st) for st in states], anchors)
+                        keys, keys[-1], [_dumps(st) for st in states], anchors, scoped)
                 self._strikes = 0
                 records = closed.records
                 emitted = sum(1 for r in records if r is not None) + (closed.via_record is not None)
@@ -220,7 +227,7 @@ class Capture:
                 M.PENDING.labels("unchosen_dropped").inc(closed.dropped)
                 if closed.shed:
                     M.SHED.labels("stream_bound").inc(closed.shed)
-                if closed.clashes:
+                if closed.clashes and closed.via_record is None:
                     M.PAIRING_REFUSED.labels("same_conversation").inc(closed.clashes)
             except FAILURES as exc:
                 self._failed(exc)
@@ -247,7 +254,7 @@ class Capture:
             M.PAIRING_REFUSED.labels("ambiguous").inc()
         if via_record is not None:
             found.append(via_record)  # the last response's: the latest
-        refused = via < 0 or (closed is not None and closed.clashes > 0)
+        refused = via < 0 or (closed is not None and closed.clashes > 0 and via_record is None)
         if not found and lineage is None and via_lineage is None:
             return Lookup(refused=refused)
         cache: PromptCache | None = None
@@ -260,6 +267,7 @@ class Capture:
         return Lookup(
             cache=cache,
             session_id=info.get("session_id"),
+            conversation=info.get("conversation") or info.get("session_id"),
             turn_index=int(info.get("turn_index", -1)) + 1,
             closed=len(found),
             paired_by=paired_by,
@@ -279,19 +287,21 @@ class Capture:
         return via, held.record, held.lineage
 
     async def finish(self, turn: Turn, cache: PromptCache, key: str, extra: KeyValue | None = None,
-                     anchors: Sequence[str] = ()) -> bool:  # fmt: skip
-        """Store the new turn as pending under `key` with its `anchors`, or emit it now if it
-        ends its session. `extra` rides along with the pending write (one round trip); True
-        when it was written."""
+                     anchors: Sequence[str] = (), conversation: str | None = None) -> bool:  # fmt: skip
+        """Store the new turn as pending under `key` with its `anchors` (`conversation`: the
+        one it belongs to, when not its session id: make_record), or emit it now if it ends
+        its session. `extra` rides along with the pending write (one round trip); True when
+        it was written."""
         if turn.closed_by == "session_done":  # emitted before the response goes out
             return await self._emit_now(turn.to_json(), extra)
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
-        record, lineage = make_record(turn, cache, deadline)
+        record, lineage = make_record(turn, cache, deadline, conversation=conversation)
         return await self._store([(key, Held(record, deadline, lineage, anchors))], deadline, now, extra)
 
     async def finish_group(self, turns: Sequence[Turn], cache: PromptCache, keys: Sequence[str],
-                           anchors: Sequence[Sequence[str]] = ()) -> None:  # fmt: skip
+                           anchors: Sequence[Sequence[str]] = (), conversation: str | None = None,
+                           ) -> None:  # fmt: skip
         """The n members of a group (`keys[i]`: choice i's response hash, `anchors[i]` its
         anchors) as pending turns that close together (group_records), in one round trip;
         or emitted now if the request ended its session."""
@@ -300,7 +310,7 @@ class Capture:
             return
         now = time.time()
         deadline = now + self.cfg.pending_ttl_s
-        await self._store(group_records(turns, cache, keys, deadline, anchors), deadline, now, None)
+        await self._store(group_records(turns, cache, keys, deadline, anchors, conversation), deadline, now, None)
 
     async def _store(self, entries: list[tuple[str, Held]], deadline: float, now: float,
                      extra: KeyValue | None) -> bool:  # fmt: skip

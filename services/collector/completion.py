@@ -139,6 +139,7 @@ class Prepared:
     lookup: Lookup
     requested_at: float
     session_id: str
+    conversation: str = ""  # what a retry replaces (capture.make_record): X-Session-Id, else inherited
     params: SamplingParams | None = None  # the call's, max_tokens fitted to the window (None: as sent)
 
     @property
@@ -260,10 +261,11 @@ class ChatService:
         conv: Conversation | None = None
         lookup = Lookup()
         if call.turn_type == "main":
+            M.SESSION_IDS.labels(call.session_from or ("user" if call.user else "none")).inc()
             conv = analyze(call.messages, call.session_hint or call.user)
             cands = candidates(call.messages, conv.hashes, self.cfg.max_pairing_candidates)
             tolerant = offer(conv, self.cfg.pairing_min_anchor_chars) if self.cfg.pairing == "anchors" else None
-            lookup = await self.capture.begin(call.raw_messages, cands, tolerant)
+            lookup = await self.capture.begin(call.raw_messages, cands, tolerant, scoped=bool(conv.scope))
         try:
             ids, cache = self.template.encode_rendering(prompt, lookup.cache)
         except ChatTemplateError as exc:
@@ -272,7 +274,12 @@ class ChatService:
         asked = call.sampling.max_tokens
         room = fit(call.api, len(ids), self.context_length, asked, self.cfg.max_tokens_over_context)
         base = call.sampling if room == asked else call.sampling.model_copy(update={"max_tokens": room})
-        session = call.session_hint or lookup.session_id or call.user or uuid.uuid4().hex
+        fresh = uuid.uuid4().hex
+        session = call.session_hint or lookup.session_id or call.user or fresh
+        # Only our own session id says two turns are one conversation (a retry replaces its
+        # turn): an agent's or a user's can be several (sessions.py).
+        explicit = call.session_from in ("x-session-id", "session_id")
+        conversation = call.session_hint if explicit and call.session_hint else lookup.conversation or fresh
         opens = prompt_opens_reasoning(prompt.text) if self.cfg.reasoning else None
         # A tool-call or reasoning marker that is a special token must survive decoding.
         markers = output_markers(self.cfg.tool_parser, tools_enabled=call.tools_enabled,
@@ -281,7 +288,7 @@ class ChatService:
         sampling: SamplingLike = base if drop is None else {
             **base.model_dump(exclude_none=True), "skip_special_tokens": False}  # fmt: skip
         return Prepared(call, ids, cache, sampling, drop, opens, conv, lookup, requested_at, session,
-                        None if base is call.sampling else base)  # fmt: skip
+                        conversation, None if base is call.sampling else base)  # fmt: skip
 
     def prompt_tokens(self, call: ChatCall) -> int:
         """The length of `call`'s prompt: the ids a captured turn of it would hold (the
@@ -373,7 +380,7 @@ class ChatService:
             key = response_hash(conv.hashes, ans.message)
             written = await self.capture.finish(self._turn(ans), ans.prep.cache, key,
                                                 None if extra is None else extra.item,
-                                                self._anchors(conv, ans.message))  # fmt: skip
+                                                self._anchors(conv, ans.message), ans.prep.conversation)  # fmt: skip
         if extra is not None:
             await extra.done(written)
 
@@ -451,7 +458,7 @@ class ChatService:
             turns = [self._turn(a, (cid, i, call.n)) for i, a in enumerate(answers)]
             keys = [response_hash(prep.conv.hashes, a.message) for a in answers]
             anchors = [self._anchors(prep.conv, a.message) for a in answers]
-            await self.capture.finish_group(turns, prep.cache, keys, anchors)
+            await self.capture.finish_group(turns, prep.cache, keys, anchors, prep.conversation)
         M.GROUP_CHOICES.inc(call.n)
         out = dumps(body)
         self.observe(first, t0)

@@ -85,3 +85,10 @@ PAIRING_REFUSED = Counter(
     "Follow-ups paired with none because the turn they continue could be several sessions'",
     ["reason"],  # ambiguous (an anchor several turns registered) | same_conversation
 )  # fmt: skip
+SESSION_IDS = Counter(
+    "nextstate_collector_session_ids_total",
+    "Main-line requests by where their session id was read (services/collector/sessions.py)",
+    # x-session-id | session_id | thread-id | session-id | x-claude-code-session-id |
+    # metadata.user_id | user (no session id, a user) | none
+    ["source"],
+)  # fmt: skip

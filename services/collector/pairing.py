@@ -74,8 +74,10 @@ What it trades:
   dropped the history) pair only by prefix.
 - An anchor whose messages hold fewer than `pairing_min_anchor_chars` bytes of text and
   tool calls is neither registered nor tried: "yes" -> "OK" identifies nothing. With
-  a session id (`X-Session-Id`, `session_id`) or a `user`, anchors are scoped to it and
-  need no minimum (that turn pairs only with a request of the same scope).
+  a session id (`X-Session-Id`, `session_id`, or the agent's own: sessions.py) or a
+  `user`, anchors are scoped to it and need no minimum (that turn pairs only with a
+  request of the same scope); a scope that holds several conversations refuses an anchor
+  two of them registered, as everywhere.
 - Only the last assistant message is anchored: an agent that continues an older response
   *and* rewrites its history is not paired.
 - Each pending turn writes 3 or more anchor keys (about 100 bytes each in Redis) that

@@ -5,7 +5,8 @@ Layout (names from `shared.keys`):
     pending:<hash>        the pending record (JSON: deadline, PromptCache, Turn so far),
                           Redis TTL = pending TTL + grace, so a stopped sweeper leaks nothing
     pending-deadlines     sorted set: <hash> scored by the turn's deadline (unix seconds)
-    lineage:<hash>        {"session_id", "turn_index"} of the response ending that prefix
+    lineage:<hash>        {"session_id", "turn_index"[, "conversation"]} of the response
+                          ending that prefix (`conversation`: when it is not the session id)
     anchor:<key>          the <hash> of the one turn that registered this pairing anchor, or
                           "*" once several did (pairing.py); the lineage's TTL
 
@@ -17,12 +18,15 @@ replica's request (or sweeper) runs the script first emits the turn; every other
 finds nothing. The same script pairs by anchor when the prefix rule knows nothing of
 the request's last response (pairing.py); `put` is a second script that stores a turn
 with its lineage and registers its anchors (marking an anchor two turns hold ambiguous).
-Two sessions can send the very same conversation and get the very same answer (the same
+Two conversations can be the very same messages and get the very same answer (the same
 system prompt and first message, an answer from a greedy policy): their turns share a
-hash, and nothing in a follow-up tells whose it is. The second such turn neither
-overwrites the first nor pairs: both stay pending, unpairable (the hash's lineage is
-"*"), and expire with no next state (a retry within one session replaces its turn, as
-before; a first request retried without a session id or user is two sessions here). The stream's bound applies as in shared/streams.py: over it, the turn is shed
+hash, and nothing in a follow-up's messages tells whose it is. The second such turn
+neither overwrites the first nor pairs by prefix: both stay pending (the hash's lineage
+is "*") and expire with no next state, unless a follow-up's anchors scoped to its
+session id name one (the close script). A retry within one conversation replaces its
+turn, as before; a conversation is one `X-Session-Id` (or `session_id`), or what a first
+turn without one began: a first request retried without one is two conversations here,
+whatever else (an agent's session id, a `user`) it carries. The stream's bound applies as in shared/streams.py: over it, the turn is shed
 and counted. Each method is one round trip; `put`/`put_many` and `publish` carry one more
 key written with them (a stored Responses object), so storing it costs no round trip of
 its own.
@@ -57,7 +61,8 @@ KeyValue = tuple[str, str | bytes, int]  # key, value, TTL in ms
 # ARGV: stream bound, entry field, closed_by, the pending keys' prefix, what to do with a
 # group's unchosen siblings (keep | judge | drop; '' leaves them: expiry), the number of
 # candidates n, the lineage keys' prefix ('' when expiring), then per candidate its hash,
-# then per candidate its next-state JSON. For each record found: delete it, append
+# then per candidate its next-state JSON, then '1' when the anchors are scoped to a
+# session id ('0' else). For each record found: delete it, append
 # prompt_ids (the PromptCache's ids, verbatim), next_state and closed_by to its Turn JSON,
 # XADD it (or count it shed). A group member's header lists its siblings (and its
 # identical twins, `same`): those still pending are closed with it — twins as it is, the
@@ -65,7 +70,10 @@ KeyValue = tuple[str, str | bytes, int]  # key, value, TTL in ms
 # is "*" (two sessions' turns of that very conversation: see _STORE) is left pending for
 # expiry. When the last candidate has neither a pending record nor a lineage, the first
 # anchor that exists decides: a hash, that turn is closed with the last candidate's next
-# state; "*" (several turns), none. Returns the records (false where none), then the
+# state; "*" (several turns), none. Scoped anchors decide also where the last candidate's
+# lineage is "*", and may name a hash whose lineage is: only turns of this request's
+# session registered them, so the very conversation of two sessions is told apart by
+# whose follow-up it is. Returns the records (false where none), then the
 # number shed, unchosen siblings emitted, unchosen siblings dropped, twins emitted; then
 # the anchor that decided (its 1-based index, negative when ambiguous, 0 for none), the
 # record it closed, the hash it named and that hash's lineage; then 1 if the last
@@ -73,6 +81,7 @@ KeyValue = tuple[str, str | bytes, int]  # key, value, TTL in ms
 _CLOSE = """
 local n = tonumber(ARGV[6])
 local m = #KEYS - 3 - n
+local scoped = ARGV[8 + 2 * n] == '1'
 local out = {}
 local shed, unchosen, dropped, twins = 0, 0, 0, 0
 local hashes = {}
@@ -137,7 +146,11 @@ for i = 1, n do
 end
 if #hashes > 0 then redis.call('ZREM', KEYS[3], unpack(hashes)) end
 local via, via_rec, via_h, via_lineage = 0, false, false, false
-if m > 0 and not out[n] and redis.call('EXISTS', ARGV[7] .. ARGV[7 + n]) == 0 then
+local function unknown(h)  -- no lineage (or, scoped, the "*" of two sessions' very conversation)
+  local v = redis.call('GET', ARGV[7] .. h)
+  return not v or (scoped and v == '*')
+end
+if m > 0 and not out[n] and unknown(ARGV[7 + n]) then
   for i = 1, m do
     local v = redis.call('GET', KEYS[3 + n + i])
     if v == '*' then
@@ -150,9 +163,10 @@ if m > 0 and not out[n] and redis.call('EXISTS', ARGV[7] .. ARGV[7 + n]) == 0 th
   end
   if via > 0 then
     via_lineage = redis.call('GET', ARGV[7] .. via_h)
-    if via_lineage == '*' then
+    if via_lineage == '*' and not scoped then
       via, via_h, via_lineage = -via, false, false
     else
+      if via_lineage == '*' then via_lineage = false end
       via_rec = take(via_h)
       if via_rec then close(via_rec, ARGV[7 + 2 * n]) end
     end
@@ -175,15 +189,21 @@ return out
 # item its hash, record, lineage, deadline and number of anchors. Each record is stored
 # under its hash, with its lineage, its deadline and its anchors (an anchor nobody holds,
 # or this hash holds, names this hash; one another hash holds becomes "*" for the rest of
-# its lifetime, which every write renews) — unless a live turn of *another session* holds
-# the hash (the same conversation and answer, word for word): then the hash's lineage
-# becomes "*", so that no request closes or inherits either turn, and the record is stored
-# under <hash>#<its sha1>, where only the sweeper finds it. Returns how many collided.
+# its lifetime, which every write renews) — unless a live turn of *another conversation*
+# holds the hash (the same messages and answer, word for word; a lineage's `conversation`,
+# else its `session_id`, says which): then the hash's lineage becomes "*", so that no
+# request closes or inherits either turn by prefix, and the record is stored under
+# <hash>#<its sha1>, where only the sweeper and its own scoped anchors find it. Returns
+# how many collided.
 _STORE = """
 local px = ARGV[1]
 local n = tonumber(ARGV[4])
 local a = 1
 local collided = 0
+local function whose(info)
+  local d = cjson.decode(info)
+  return d['conversation'] or d['session_id']
+end
 for i = 0, n - 1 do
   local at = 5 + i * 5
   local h, rec, lineage, deadline = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
@@ -193,7 +213,7 @@ for i = 0, n - 1 do
   local clash = seen == '*'
   if cur and not clash then
     local header = string.sub(cur, 1, string.find(cur, '\\n', 1, true) - 1)
-    clash = cjson.decode(header)['session_id'] ~= cjson.decode(lineage)['session_id']
+    clash = whose(header) ~= whose(lineage)
   end
   if clash then
     collided = collided + 1
@@ -279,25 +299,27 @@ class PendingStore:
         return max(1000, int((deadline - now + self.grace_s) * 1000))
 
     def _close_args(self, hashes: Sequence[str], closed_by: str, states: Sequence[str],
-                    unchosen: str, anchors: Sequence[str] = ()) -> tuple[list[str], list[Any]]:  # fmt: skip
+                    unchosen: str, anchors: Sequence[str] = (), scoped: bool = False,
+                    ) -> tuple[list[str], list[Any]]:  # fmt: skip
         k = self.keys
         keys = [k.turns, k.shed(k.turns), k.pending_deadlines, *(k.pending_turn(h) for h in hashes),
                 *(k.pairing_anchor(a) for a in anchors)]  # fmt: skip
         lineage = "" if closed_by == "ttl" else k.turn_lineage("")  # expiry pairs nothing
         args = [self.bound, FIELD, closed_by, k.pending_turn(""), unchosen, len(hashes), lineage,
-                *hashes, *states]  # fmt: skip
+                *hashes, *states, "1" if scoped else "0"]  # fmt: skip
         return keys, args
 
     async def lookup(
         self, hashes: Sequence[str], lineage_of: str | None, states: Sequence[str],
-        anchors: Sequence[str] = (),
+        anchors: Sequence[str] = (), scoped: bool = False,
     ) -> tuple[Closed, str | None]:  # fmt: skip
         """Close and emit each candidate's pending turn (`states[i]`: its next state as
         JSON), and the siblings of a group member among them; when the last candidate has
         no pending turn and no lineage, the turn the first registered of `anchors` names
         (its response's, strongest first: pairing.py), with the last candidate's next
-        state; GET the lineage of `lineage_of`. Returns (what was closed, lineage)."""
-        keys, args = self._close_args(hashes, "next_request", states, self.unchosen, anchors)
+        state (`scoped` anchors: also where that lineage is two sessions', see _CLOSE);
+        GET the lineage of `lineage_of`. Returns (what was closed, lineage)."""
+        keys, args = self._close_args(hashes, "next_request", states, self.unchosen, anchors, scoped)
         then = [] if lineage_of is None else [("GET", self.keys.turn_lineage(lineage_of))]
         out = await self._script_then(self._close, keys, args, then)
         lineage = None if lineage_of is None or out[-1] in (None, "*") else str(out[-1])

@@ -19,7 +19,8 @@ names the exact place (`messages[2].tool_call_id`) and what to send instead. `co
 What the collector honours: messages, temperature, top_p, top_k (extension),
 max_tokens / max_completion_tokens, stop, seed, tools, tool_choice, stream,
 stream_options.include_usage, logprobs / top_logprobs, response_format, user, and
-`session_id` (extension, also the `X-Session-Id` header).
+`session_id` (extension, also the `X-Session-Id` header; without either, the session id
+an agent sends in its own headers: sessions.py).
 
 n: up to `max_n` (16) choices sampled from the one prompt (a group: completion.py); with
 `seed`, choice i samples with seed + i, so the choices differ and each is reproducible.
@@ -58,13 +59,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from services.collector.context_window import Api
 from services.collector.openai_shapes import ApiError
+from services.collector.sessions import MAX_ID, agent_session
 from services.collector.settings import CollectorConfig
 from shared.chat_messages import ChatTemplateError, normalize_messages, normalize_tools
 from shared.schemas import SamplingParams
 
 TurnType = Literal["main", "side"]
 MAX_STOP = 16
-MAX_ID = 256  # session ids and `user`
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 TRUE = frozenset({"1", "true", "yes", "on"})
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # function and response_format names, as OpenAI checks them
@@ -199,7 +200,9 @@ class ChatCall:
     stream: bool
     include_usage: bool
     turn_type: TurnType
-    session_hint: str | None  # X-Session-Id / session_id: wins over an inherited session
+    # X-Session-Id / session_id, else the agent's own (sessions.py): wins over an inherited
+    # session, and scopes the pairing anchors
+    session_hint: str | None
     user: str | None
     session_done: bool
     logprobs: bool = False  # return choices[].logprobs
@@ -207,6 +210,7 @@ class ChatCall:
     n: int = 1  # choices sampled from the prompt (> 1: a group)
     api: Api = "chat"  # the API it came through: errors are said in its words
     dropped_tools: tuple[str, ...] = ()  # built-in tools left out of the prompt (their types)
+    session_from: str | None = None  # where session_hint was read (a header's name, a field)
 
 
 # -- schema errors in OpenAI's words --------------------------------------------------------------
@@ -552,11 +556,13 @@ def make_call(
     stream: bool = False, include_usage: bool = False, user: str | None = None,
     session_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0,
     messages_param: str = "messages", tools_param: str = "tools", api: Api = "chat",
-    dropped_tools: tuple[str, ...] = (),
+    dropped_tools: tuple[str, ...] = (), embedded_session: str | None = None,
 ) -> ChatCall:  # fmt: skip
     """The internal conversation (chat messages and tools, checked by the caller) and the
     sampling and session fields, with the configuration's defaults: one `ChatCall`, whichever
-    API the request came through (chat completions, responses, messages)."""
+    API the request came through (chat completions, responses, messages). The session is
+    `X-Session-Id`, else `session_id`, else the agent's own (`embedded_session`: the one
+    in Anthropic's `metadata.user_id`; sessions.py)."""
     try:
         messages = normalize_messages(raw_messages)
     except ChatTemplateError as exc:
@@ -575,10 +581,14 @@ def make_call(
         seed=seed,
         json_schema=json_schema,
     )
-    hint = headers.get("x-session-id") or session_id
+    header = headers.get("x-session-id")
+    hint, source = (header, "x-session-id") if header and header.strip() else (session_id, "session_id")
     for name, value in (("session_id", hint), ("user", user)):
         if value is not None and len(value) > MAX_ID:
             raise _bad(f"{name} is longer than {MAX_ID} characters", name)
+    hint = hint.strip() or None if hint else None
+    if hint is None and (agent := agent_session(headers, embedded_session)) is not None:
+        hint, source = agent.id, agent.source
     return ChatCall(
         raw_messages=raw_messages,
         messages=messages,
@@ -588,11 +598,12 @@ def make_call(
         stream=stream,
         include_usage=include_usage,
         turn_type=_turn_type(headers.get("x-turn-type"), cfg.default_turn_type),
-        session_hint=hint.strip() or None if hint else None,
+        session_hint=hint,
         user=user or None,
         session_done=headers.get("x-session-done", "").strip().lower() in TRUE,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         api=api,
         dropped_tools=dropped_tools,
+        session_from=source if hint is not None else None,
     )

@@ -187,6 +187,9 @@ def test_codex_exec_runs_a_shell_tool_and_its_output_pairs(
     turn = _tool_turn(turns, str(workspace), "exec_command", "Codex's exec_command turn, paired")
     assert json.loads(turn.response["tool_calls"][0]["function"]["arguments"]) == {"cmd": "ls"}
     _assert_tool_result_is_next_state(turn)
+    # Its session is Codex's own (the thread: a root thread's id is the session id it prints).
+    said = re.search(r"^session id: (\S+)$", run.stdout + "\n" + run.stderr, re.MULTILINE)
+    assert said is not None and turn.session_id == said[1], (turn.session_id, run.stderr[-2000:])
     print(f"codex exec: {took:.0f} s")
 
 
@@ -204,6 +207,9 @@ def test_claude_print_runs_bash_and_its_output_pairs(
     turn = _tool_turn(turns, str(workspace), "Bash", "Claude Code's Bash turn, paired")
     assert json.loads(turn.response["tool_calls"][0]["function"]["arguments"])["command"] == "ls"
     _assert_tool_result_is_next_state(turn)
+    # Its session is Claude Code's own; its user the device (no login here), not the session.
+    assert turn.session_id == result["session_id"], (turn.session_id, result["session_id"])
+    assert turn.user is not None and re.fullmatch(r"[0-9a-f]{64}", turn.user), turn.user
     print(f"claude -p: {took:.0f} s")
 
 

@@ -3,10 +3,10 @@
 For the collector's benchmark (so that what is measured is the proxy's own cost, not a
 model's) and its fault tests:
 
-    python -m tests.support.standin_engine --port N [--latency-ms 5] [--tokenizer DIR]
+    python -m tests.support.standin_engine --port N [--latency-ms 5] [--tokenizer DIR] [--reply TEXT]
     python -m tests.support.standin_engine --port N --stall
 
-- `POST /generate` answers after `--latency-ms` with a canned reply (plain JSON, or
+- `POST /generate` answers after `--latency-ms` with a canned reply (`--reply`; plain JSON, or
   SGLang's cumulative server-sent events with `stream: true`, one event per token,
   `--latency-ms` spread over them): `text`, `output_ids` (the reply tokenized with the
   tokenizer in DIR, when given), one log-prob per id, `meta_info` with
@@ -34,8 +34,10 @@ REPLY = "Sure. Here is a short answer to that, with a few more words to make it 
 
 
 class StandIn:
-    def __init__(self, latency_s: float, tokenizer: str | None, version: str, model: str) -> None:
+    def __init__(self, latency_s: float, tokenizer: str | None, version: str, model: str,
+                 reply: str = REPLY) -> None:  # fmt: skip
         self.latency_s = latency_s
+        self.reply = reply
         self.version = version
         self.model = model
         self.tokenizer = tokenizer
@@ -43,13 +45,13 @@ class StandIn:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json"))
-            self.ids = list(tok.encode(REPLY, add_special_tokens=False).ids)
+            self.ids = list(tok.encode(reply, add_special_tokens=False).ids)
         else:
             self.ids = [100 + i % 300 for i in range(24)]
         self.logprobs = [-0.5 - (i % 7) / 10 for i in range(len(self.ids))]
         # The cumulative text after each token, for streaming.
         n = len(self.ids)
-        self.texts = [REPLY[: round(len(REPLY) * (i + 1) / n)] for i in range(n)]
+        self.texts = [reply[: round(len(reply) * (i + 1) / n)] for i in range(n)]
 
     def meta(self, n: int, prompt_tokens: int, done: bool) -> dict[str, Any]:
         lps = [[self.logprobs[i], self.ids[i], None] for i in range(n)]
@@ -75,7 +77,7 @@ class StandIn:
                 return
             await asyncio.sleep(self.latency_s)
             n = len(self.ids)
-            out = {"text": REPLY, "output_ids": self.ids, "meta_info": self.meta(n, prompt, True)}
+            out = {"text": self.reply, "output_ids": self.ids, "meta_info": self.meta(n, prompt, True)}
             await _json(send, out)
         elif path in ("/model_info", "/get_model_info"):
             await _json(send, {"model_path": self.tokenizer or "standin", "tokenizer_path": self.tokenizer,
@@ -133,13 +135,14 @@ def main() -> None:
     p.add_argument("--weight-version", default="7")
     p.add_argument("--model", default="standin")
     p.add_argument("--stall", action="store_true")
+    p.add_argument("--reply", default=REPLY, help="the text every answer is")
     a = p.parse_args()
     if a.stall:
         asyncio.run(stall(a.host, a.port))
         return
     import uvicorn
 
-    app = StandIn(a.latency_ms / 1000, a.tokenizer, a.weight_version, a.model)
+    app = StandIn(a.latency_ms / 1000, a.tokenizer, a.weight_version, a.model, a.reply)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False,
                 http="httptools", loop="uvloop", lifespan="off", backlog=2048)  # fmt: skip
 

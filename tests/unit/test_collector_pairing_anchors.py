@@ -89,21 +89,26 @@ class Pairer:
         conv = analyze(messages, scope)
         cands = candidates(messages, conv.hashes, CFG.max_pairing_candidates)
         closed = []
+        clash = False
         for c in cands:
             if c.key in self.pending and self.lineage.get(c.key) == "*":
-                self.refused += 1
+                clash = c is cands[-1]
+                self.refused += c is not cands[-1]
             elif c.key in self.pending:
                 closed.append(self.pending.pop(c.key)[0])
-        how = "prefix" if cands and cands[-1].key in self.lineage else None
+        # Scoped anchors decide also where the prefix rule saw two sessions' very conversation.
+        known = bool(cands) and cands[-1].key in self.lineage
+        how = "prefix" if known and not (conv.scope and self.lineage[cands[-1].key] == "*") else None
         tolerant = offer(conv, self.min_chars) if self.rule == "anchors" else None
         if cands and how is None and tolerant is not None:
             assert tolerant.end == cands[-1].end  # both are the last assistant message
             via, h = self.index.decide([a.key for a in tolerant.anchors])
-            if via < 0 or (h is not None and self.lineage.get(h) == "*"):
-                self.refused += 1
+            if via < 0 or (h is not None and self.lineage.get(h) == "*" and not conv.scope):
+                self.refused += not clash
             elif h is not None and h in self.pending:
                 closed.append(self.pending.pop(h)[0])
-                how = tolerant.anchors[via - 1].kind
+                how, clash = tolerant.anchors[via - 1].kind, False
+        self.refused += clash
         key = target = response_hash(conv.hashes, answer)
         held = self.pending.get(key)
         if self.lineage.get(key) == "*" or (held is not None and held[1] != session):

@@ -34,6 +34,14 @@ which runs, per recording (the commands are in `AGENTS` below):
   `web_search`), so this records what it sends, not what it is told.
 - `claude.jsonl`: `claude -p --allowedTools Bash` with `ANTHROPIC_BASE_URL`, one task: a
   `Bash` tool call and its follow-up.
+- `codex-subagent.jsonl`: the same `codex exec`, a task for a subagent: the model calls
+  `spawn_agent` (of the `multi_agent_v1` namespace), Codex starts the subagent's thread
+  (its own `thread-id`, the root's `session-id`) and sends the call's output.
+- `claude-subagents.jsonl`: `claude -p --allowedTools Bash,Agent`, a task for a subagent:
+  the model calls `Agent`, and so does each subagent (they are offered it too), three
+  deep; every request has the session's `x-claude-code-session-id`, a subagent's also its
+  own `x-claude-code-agent-id` (and `x-claude-code-parent-agent-id`), and the two nested
+  ones send the very same first request.
 
 The commands, configuration files and environment are those of tests/support/agents.py.
 
@@ -86,9 +94,9 @@ def _tool_names(body: dict[str, Any], api: str) -> set[str]:
             names.add(str((t.get("function") or {}).get("name")))
         else:
             names.add(str(t.get("name")))
-            for inner in t.get("tools") or []:  # a Responses `namespace` tool
+            for inner in t.get("tools") or []:  # a Responses `namespace` tool: namespace.name
                 if isinstance(inner, dict):
-                    names.add(str(inner.get("name")))
+                    names.add(f"{t.get('name')}.{inner.get('name')}")
     return names
 
 
@@ -259,8 +267,10 @@ def _responses(model: str, script: Script, call: bool) -> Events:
     yield ev("response.in_progress", response=base)
     if call:
         iid, args = f"fc_{uuid.uuid4().hex[:12]}", json.dumps(script.args)
+        namespace, _, name = str(script.tool).rpartition(".")
         item = {"id": iid, "type": "function_call", "status": "in_progress",
-                "call_id": f"call_{uuid.uuid4().hex[:8]}", "name": script.tool, "arguments": ""}  # fmt: skip
+                "call_id": f"call_{uuid.uuid4().hex[:8]}", "name": name, "arguments": "",
+                **({"namespace": namespace} if namespace else {})}  # fmt: skip
         yield ev("response.output_item.added", output_index=0, item=item)
         yield ev("response.function_call_arguments.delta", item_id=iid, output_index=0, delta=args)
         yield ev("response.function_call_arguments.done", item_id=iid, output_index=0, arguments=args)
@@ -334,6 +344,13 @@ AGENTS: dict[str, tuple[str, dict[str, Any]]] = {  # recording -> (tool to call,
     "codex": ("exec_command", {"cmd": "ls"}),
     "claude": ("Bash", {"command": "ls", "description": "List files in current directory"}),
 }
+SUBTASK = "List the files in this directory with ls and report them."
+SUBAGENTS: dict[str, tuple[str, dict[str, Any]]] = {  # a namespaced tool: namespace.name
+    "codex-subagent": ("multi_agent_v1.spawn_agent", {"message": SUBTASK}),
+    "claude-subagents": ("Agent", {"description": "List files", "prompt": SUBTASK,
+                                   "subagent_type": "general-purpose"}),
+}
+SUBAGENT_TASK = "Use a subagent to list the files in this directory, then tell me what it found."
 
 
 def record(name: str, out_dir: Path, reply: str = "Done.") -> Path:
@@ -342,7 +359,8 @@ def record(name: str, out_dir: Path, reply: str = "Done.") -> Path:
     from tests.support.servers import free_port
 
     kind = name.split("-", 1)[0]
-    tool, args = AGENTS[kind]
+    tool, args = SUBAGENTS.get(name) or AGENTS[kind]
+    task = SUBAGENT_TASK if name in SUBAGENTS else TASK
     out = out_dir / f"{name}.jsonl"
     port = free_port()
     server = serve(port, out, Script(tool, args, reply))
@@ -368,9 +386,10 @@ def record(name: str, out_dir: Path, reply: str = "Done.") -> Path:
                 runs.append(A.openclaw_turn(home, "rec-session", message, cwd=work))
         elif kind == "codex":
             A.write_codex_config(home, A.codex_config(base, "rec-model"))
-            runs.append(A.codex_exec(home, work, TASK))
+            runs.append(A.codex_exec(home, work, task))
         else:
-            runs.append(A.claude_print(home, work, base, "rec-model", TASK))
+            flags = ["--allowedTools", "Bash,Agent", "--output-format", "json"] if name in SUBAGENTS else None
+            runs.append(A.claude_print(home, work, base, "rec-model", task, flags=flags))
         for run in runs:
             if run.returncode != 0:
                 raise RuntimeError(f"{name}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
@@ -408,7 +427,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--all", action="store_true", help="every recording of the docstring")
-    ap.add_argument("names", nargs="*", help="openclaw-<api> | codex | claude")
+    ap.add_argument("names", nargs="*", help="openclaw-<api> | codex | claude | codex-subagent | claude-subagents")
     ap.add_argument("--serve", action="store_true", help="only serve and record (by hand)")
     ap.add_argument("--sizes", action="store_true", help="each recording's first prompt: its size")
     ap.add_argument("--tokenizer", type=Path, help="with --sizes: count its tokens with this model's")
@@ -425,7 +444,8 @@ def main() -> None:
     if a.sizes:
         sizes(a.out, a.tokenizer)
         return
-    names = [*(f"openclaw-{api}" for api in OPENCLAW_APIS), "openclaw-lean", "codex", "claude"] if a.all else a.names
+    names = [*(f"openclaw-{api}" for api in OPENCLAW_APIS), "openclaw-lean", "codex", "claude",
+             *SUBAGENTS] if a.all else a.names  # fmt: skip
     for name in names:
         t0 = time.monotonic()
         path = record(name, a.out)
