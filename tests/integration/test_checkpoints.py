@@ -248,7 +248,7 @@ def test_prune_bucket_keeps_what_the_gate_needs(bucket: Bucket, run: str, tmp_pa
            **{field_name(v): json.dumps({"version": v, "decision": d})
               for v, d in [(1, "promoted"), (2, "promoted"), (3, "refused"), (4, "refused")]}}
     gate = gate_view(raw)
-    assert gate == GateView(600.0, frozenset({1, 2, 3, 4}), frozenset({1, 2}))
+    assert gate == GateView(600.0, frozenset({1, 2, 3, 4}), frozenset({1, 2}), current=2)
     # keep=2 alone would leave 7 and 8; the gate adds 1 and 2 (serving, promoted before)
     # and 5, 6 (undecided, within the wait).
     assert prune_bucket(bucket, run, keep=2, gate=gate) == [3, 4]

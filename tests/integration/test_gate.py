@@ -304,6 +304,8 @@ async def test_a_version_worse_on_the_same_tasks_is_refused_an_equal_one_promote
                 p3 = await commit(3, vowel)  # the same answers as the best: not worse, promoted
                 assert (p3.decision, p3.tests["demo"].p_value, p3.tests["demo"].effect) == ("promoted", 1.0, 0.0)
                 await eventually(lambda: weight_version(engine) == "3", 60, "v3 served")
+                # The client's own answers say so too (on a busy host it may have sent none since).
+                await eventually(lambda: client.versions["3"] > 0, 60, "an answer under v3")
                 # What the operator sees: the decision with its test.
                 row = json.loads((await bus.redis.hgetall(bus.keys.gate_state))["version:2"])
                 assert row["decision"] == "refused" and row["tests"]["demo"]["p_value"] == 2.0**-16

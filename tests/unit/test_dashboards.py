@@ -158,6 +158,8 @@ def test_prometheus_scrapes_every_service_on_its_port() -> None:
             continue
         env = svc["environment"]
         argv = [str(a) for a in svc.get("command") or []]
+        if argv[:2] == ["ray", "start"]:  # the Ray head: Ray's own process, none of our metrics
+            continue
         ports = [v for k, v in env.items() if k.endswith("__PORT")] or [argv[argv.index("--port") + 1]]  # vLLM
         port = int(ports[0])
         aliases = set(svc.get("networks", {}).get("default", {}).get("aliases", []))
