@@ -52,6 +52,10 @@ SETTINGS = {
     "NEXTSTATE_COLLECTOR__SWEEP_INTERVAL_S": "1",
     # Every version's manifest stays in the bucket: the test checks no batch trained twice.
     "NEXTSTATE_TRAINER__KEEP_VERSIONS": "1000",
+    # The test follows every batch into a version. The tiny model steps in milliseconds, so
+    # after a fault the backlog's later batches are past the trainer's default staleness
+    # (4 versions) and would be acked untrained by design (tests/integration/test_trainer_service.py).
+    "NEXTSTATE_TRAINER__MAX_STALENESS": "1000",
     "NEXTSTATE_BUFFER__FORCE_SETTLE_S": "30",
 }
 # Rules a turn may be excluded by (services/buffer/rules.py, intake.py); anything else is a bug.

@@ -88,7 +88,9 @@ class ComposeStack:
         self.init_output = out.stdout
         self.timings["init (bases)"] = time.monotonic() - t0
         extra = {"COMPOSE_FILE": ":".join(COMPOSE_FILES), "COMPOSE_PROJECT_NAME": self.project,
-                 "BUFFER_PORT": str(free_port()), "TRAINER_KEEP_VERSIONS": "1000", **self.settings}
+                 "BUFFER_PORT": str(free_port()), "TRAINER_KEEP_VERSIONS": "1000",
+                 # every batch into a version (as tests/faults/test_faults.py says why)
+                 "TRAINER_MAX_STALENESS": "1000", **self.settings}
         with self.env_file.open("a") as f:
             f.write("".join(f"{k}={v}\n" for k, v in extra.items()))
         self.env = read_env(self.env_file)
