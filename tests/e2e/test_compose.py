@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import signal
 import subprocess
@@ -170,9 +171,12 @@ async def test_the_loop_in_compose_survives_crashes_and_resumes_after_down_up(st
     with Bucket(s.bucket_settings()) as b:
         versions = ckpt.list_versions(b, s.run)
         manifests = [ckpt.read_manifest(b, ckpt.manifest_key(s.run, v)) for v in versions if v > published[-1]]
-    assert versions == list(range(1, versions[-1] + 1)), "versions are not one lineage"
-    # the first version trained after `up` builds on the last one from before `down`
-    assert all(m.parent == m.version - 1 for m in manifests), [(m.version, m.parent) for m in manifests]
+    # One lineage: the first version trained after `up` builds on the last one committed before
+    # `down`, and each later one on the one before. A number may be skipped, never reused: a
+    # commit cut off by a kill or the stop leaves files without a manifest, and the next
+    # version is numbered above them (services/trainer/checkpoint.py).
+    before = {b: a for a, b in itertools.pairwise(versions)}
+    assert all(m.parent == before[m.version] for m in manifests), [(m.version, m.parent) for m in manifests]
     print(f"compose: served {len(load.served)} after down/up; versions {last} -> {trained(s)}; "
           f"timings {json.dumps({k: round(v, 1) for k, v in s.timings.items()})}")
 
