@@ -81,9 +81,8 @@ def stack(agent_model: Path, redis_url: str) -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def turns(stack: dict[str, str]) -> Iterator[Turns]:
-    t = Turns(stack["redis"], stack["prefix"])
-    yield t
-    t.close()
+    with Turns(stack["redis"], stack["prefix"]) as t:
+        yield t
 
 
 @pytest.fixture

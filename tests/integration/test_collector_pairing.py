@@ -23,9 +23,8 @@ from services.collector.pairing import analyze, candidates, offer, response_hash
 from shared.schemas import Turn
 from shared.settings import Settings
 from tests.integration.test_collector_capture import CACHE, Replicas, new_turn, replicas_turns, user
-from tests.support.collector_harness import StandIn, Turns, collector_process, wait_ready
+from tests.support.collector_harness import Turns, standin_collector
 from tests.support.servers import RedisServer
-from tests.support.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -191,26 +190,14 @@ async def test_turns_stored_without_anchors_still_pair_by_prefix(replicas: Repli
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, str]]:
-    tok = tmp_path_factory.mktemp("pairing-tok")
-    build_tokenizer(tok)
-    engine = StandIn(args=["--tokenizer", str(tok), "--latency-ms", "1"]).start()
-    prefix = f"t-{uuid.uuid4().hex[:10]}"
-    env = {"NEXTSTATE_ENV": "test", "NEXTSTATE_REDIS__URL": redis_url, "NEXTSTATE_REDIS__PREFIX": prefix}
-    collector = collector_process(env, engine.url, api_keys="k")
-    try:
-        wait_ready(None, collector)
-        yield {"url": collector[1], "prefix": prefix, "redis": redis_url}
-    finally:
-        rc = collector[0].stop()
-        engine.stop()
-    assert rc == 0, collector[0].logs()
+    with standin_collector(tmp_path_factory.mktemp("pairing-tok"), redis_url) as s:
+        yield s
 
 
 @pytest.fixture
 def turns(stack: dict[str, str]) -> Iterator[Turns]:
-    t = Turns(stack["redis"], stack["prefix"])
-    yield t
-    t.close()
+    with Turns(stack["redis"], stack["prefix"]) as t:
+        yield t
 
 
 Send = Callable[[list[dict[str, Any]], bool], tuple[str, list[dict[str, Any]]]]

@@ -23,34 +23,21 @@ import openai
 import pytest
 
 from shared.schemas import Turn
-from tests.support.collector_harness import StandIn, Turns, collector_process, wait_ready
-from tests.support.tiny_model import build_tokenizer
+from tests.support.collector_harness import Turns, standin_collector
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, str]]:
-    tok = tmp_path_factory.mktemp("sessions-tok")
-    build_tokenizer(tok)
-    engine = StandIn(args=["--tokenizer", str(tok), "--latency-ms", "1", "--reply", "OK"]).start()
-    prefix = f"t-{uuid.uuid4().hex[:10]}"
-    env = {"NEXTSTATE_ENV": "test", "NEXTSTATE_REDIS__URL": redis_url, "NEXTSTATE_REDIS__PREFIX": prefix}
-    collector = collector_process(env, engine.url, api_keys="k")
-    try:
-        wait_ready(None, collector)
-        yield {"url": collector[1], "prefix": prefix, "redis": redis_url}
-    finally:
-        rc = collector[0].stop()
-        engine.stop()
-    assert rc == 0, collector[0].logs()
+    with standin_collector(tmp_path_factory.mktemp("sessions-tok"), redis_url, "--reply", "OK") as s:
+        yield s
 
 
 @pytest.fixture
 def turns(stack: dict[str, str]) -> Iterator[Turns]:
-    t = Turns(stack["redis"], stack["prefix"])
-    yield t
-    t.close()
+    with Turns(stack["redis"], stack["prefix"]) as t:
+        yield t
 
 
 def closed(turns: Turns, tag: str) -> dict[str, Turn]:

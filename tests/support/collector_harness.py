@@ -4,11 +4,13 @@ the checks every captured `Turn` must pass.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,32 @@ class Turns:
 
     def close(self) -> None:
         self.client.close()
+
+    def __enter__(self) -> Turns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def standin_collector(tok_dir: Path, redis_url: str, *standin_args: str) -> Iterator[dict[str, str]]:
+    """A collector (key `k`, its own Redis prefix) before a stand-in engine on a tiny tokenizer
+    built in `tok_dir`: {"url", "prefix", "redis"}. The collector must stop cleanly."""
+    from tests.support.tiny_model import build_tokenizer
+
+    build_tokenizer(tok_dir)
+    engine = StandIn(args=["--tokenizer", str(tok_dir), "--latency-ms", "1", *standin_args]).start()
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    env = {"NEXTSTATE_ENV": "test", "NEXTSTATE_REDIS__URL": redis_url, "NEXTSTATE_REDIS__PREFIX": prefix}
+    collector = collector_process(env, engine.url, api_keys="k")
+    try:
+        wait_ready(None, collector)
+        yield {"url": collector[1], "prefix": prefix, "redis": redis_url}
+    finally:
+        rc = collector[0].stop()
+        engine.stop()
+    assert rc == 0, collector[0].logs()
 
 
 def _brief(t: Turn) -> str:
