@@ -13,9 +13,9 @@ import json
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 
 class RedisStates:
