@@ -58,8 +58,9 @@ sys.path.insert(0, str(REPO))
 import httpx
 
 from services.judge.collapse import is_undecided, value_of
-from services.judge.judges import RuleJudge, Verdict
+from services.judge.judges import RuleJudge
 from services.judge.settings import DEFAULT_NEGATIVE, DEFAULT_POSITIVE
+from services.judge.verdict import Verdict
 from shared.schemas import Turn
 
 SHORT_CORRECTION = "That's wrong for me: far too long. Answer again in one short sentence."

@@ -190,7 +190,7 @@ async def evaluations() -> dict[int, dict[str, Any]]:
     """Per version, what `nextstate eval show` knows about it; {} when the stack cannot be read
     (no stack found, no evaluations, Redis not answering: the demo's own figures still stand)."""
     from services.ctl.common import settings_from
-    from services.ctl.evals import gather
+    from services.ctl.eval_records import gather
 
     try:
         settings = settings_from(argparse.Namespace(), announce=False)

@@ -37,12 +37,14 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.ctl.common import redis_error, settings_from
+from services.ctl.eval_records import DEFAULT_SUITES, collect, gate_summary, gather
 from shared import checkpoints as ckpt
 from shared.errors import NextstateError, NoCheckpoint, StoreError
 from shared.keys import Keys
 from shared.schemas import EvalResult
 from shared.settings import Settings
 from shared.store import Bucket
+from shared.streams import Bus
 
 POLL_S = 0.5
 
@@ -83,11 +85,8 @@ def check_source(settings: Settings, source: tuple[str, int]) -> None:
 
 async def suites_for(settings: Settings, run: str) -> list[str]:
     """The gate's suites, else every suite the run's versions were evaluated on, else demo and drift."""
-    from services.ctl.evals import DEFAULT_SUITES, _gate_summary, collect
-    from shared.streams import Bus
-
     async with Bus(settings) as bus:
-        gate = _gate_summary(await bus.redis.hgetall(bus.keys.gate_state))
+        gate = gate_summary(await bus.redis.hgetall(bus.keys.gate_state))
         if gate and gate["config"].get("suites"):
             return [str(s) for s in gate["config"]["suites"]]
         data = await collect(bus, run, [])
@@ -176,8 +175,6 @@ def _score(r: EvalResult) -> str:
 
 def beside(settings: Settings, run: str, label: str, results: dict[str, EvalResult]) -> str:
     """The model's scores beside the run's base, serving and newest versions, per suite."""
-    from services.ctl.evals import gather
-
     data = asyncio.run(gather(settings, run, quiet=True))
     versions = {row["version"]: row for row in data["versions"]}
     serving = (data.get("gate") or {}).get("serving")

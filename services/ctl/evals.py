@@ -18,7 +18,8 @@ outlives the stream's trimming); per version and suite the one the gate uses cou
 newest, unless it rests on fewer samples); a model's results (`evals/<run>/models/…`) are
 listed after the versions, the newest per suite. Decisions come from the gate's `gate-state`
 and the `promotions` stream, the newest of either. The bucket is optional: without it
-(no credentials, not reachable) the stream alone is shown, and stderr says why.
+(no credentials, not reachable) the stream alone is shown, and stderr says why. Reading
+them: services/ctl/eval_records.py (shared with eval_models.py).
 """
 
 from __future__ import annotations
@@ -27,24 +28,20 @@ import argparse
 import asyncio
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from services.ctl.common import redis_error, settings_from
+from services.ctl.eval_models import add_arguments, run_model_cmd
+from services.ctl.eval_records import DEFAULT_SUITES, collect, gate_summary, gather
 from shared import checkpoints as ckpt
-from shared import keys as K
-from shared.errors import MalformedMessage, NextstateError, NoCheckpoint, StoreError
+from shared.errors import NextstateError, NoCheckpoint, StoreError
 from shared.keys import Keys
-from shared.schemas import EvalResult, Promotion
 from shared.settings import Settings
 from shared.store import Bucket
 from shared.streams import Bus
-
-DEFAULT_SUITES = ("demo", "drift")
-CHUNK = 500
 
 
 def register(sub: Any) -> None:
@@ -68,133 +65,8 @@ def register(sub: Any) -> None:
     run.add_argument("--samples", type=int, help="tasks / prompts (default: the evaluator's)")
     run.add_argument("--timeout", type=float, default=900.0, help="job timeout in seconds (default 900)")
     run.add_argument("--retries", type=int, default=2, help="retries of a failed job (default 2)")
-    from services.ctl.eval_models import add_arguments
-
     add_arguments(run)
     run.set_defaults(func=run_cmd)
-
-
-# -- gathering ---------------------------------------------------------------------------------
-def _kept(old: dict[str, Any] | None, newer: EvalResult) -> bool:
-    """Whether `newer` replaces `old` for its suite (the gate's rule: unless it has a smaller n)."""
-    return old is None or newer.n >= old["n"]
-
-
-def _row(r: EvalResult) -> dict[str, Any]:
-    return {"score": r.score, "ci_low": r.ci_low, "ci_high": r.ci_high, "n": r.n,
-            "higher_is_better": r.higher_is_better, "id": r.id, "created_at": r.created_at}
-
-
-async def stream_messages(bus: Bus, key: str) -> list[str]:
-    """Every entry's `data` of a stream, read in chunks."""
-    out: list[str] = []
-    start = "-"
-    while True:
-        rows = await bus.redis.xrange(key, min=start, count=CHUNK)
-        out.extend(str(f.get(K.FIELD, "")) for _, f in rows)
-        if len(rows) < CHUNK:
-            return out
-        start = "(" + str(rows[-1][0])
-
-
-def bucket_results(settings: Settings, run: str) -> tuple[list[EvalResult], str | None]:
-    """The EvalResults in the bucket, and why none could be read (None when they could)."""
-    quick = settings.bucket.model_copy(update={"timeout": 5.0})
-    out = []
-    try:
-        with Bucket(quick, retries=1) as bucket:
-            for obj in bucket.list(ckpt.evals_prefix(run)):
-                if obj.key.endswith(".json"):
-                    try:
-                        out.append(EvalResult.from_json(bucket.get_bytes(obj.key)))
-                    except MalformedMessage:
-                        continue
-    except (StoreError, OSError) as exc:
-        return out, f"{type(exc).__name__}: {exc}"
-    return out, None
-
-
-async def collect(bus: Bus, run: str, extra: list[EvalResult]) -> dict[str, Any]:
-    """Per version: the results that count and the newest decision; the gate's summary."""
-    keys = bus.keys
-    results: list[EvalResult] = list(extra)
-    for data in await stream_messages(bus, keys.evals):
-        try:
-            results.append(EvalResult.from_json(data))
-        except MalformedMessage:
-            continue
-    versions: dict[int, dict[str, Any]] = defaultdict(lambda: {"suites": {}, "decision": None, "reasons": [],
-                                                               "tests": {}, "decided_at": None})
-    models: dict[str, dict[str, Any]] = defaultdict(dict)  # label -> suite -> the newest result
-    for r in sorted((r for r in results if r.run == run), key=lambda r: r.created_at):
-        if r.model is not None:
-            models[r.model][r.suite] = _row(r)
-            continue
-        suites = versions[r.version]["suites"]
-        if _kept(suites.get(r.suite), r):
-            suites[r.suite] = _row(r)
-    gate_raw: dict[str, str] = await bus.redis.hgetall(keys.gate_state)
-    for name, raw in gate_raw.items():
-        if name.startswith("version:"):
-            try:
-                rec = json.loads(raw)
-                _decide(versions, int(rec["version"]), rec.get("decision"), rec.get("reasons") or [],
-                        rec.get("decided_at"), None, dict(rec.get("tests") or {}))
-            except (ValueError, KeyError, TypeError):
-                continue
-    for data in await stream_messages(bus, keys.promotions):
-        try:
-            p = Promotion.from_json(data)
-        except MalformedMessage:
-            continue
-        if p.run == run:
-            _decide(versions, p.version, p.decision, p.reasons, p.created_at, p.serving,
-                    {suite: t.model_dump() for suite, t in p.tests.items()})
-    return {"run": run, "gate": _gate_summary(gate_raw),
-            "versions": [{"version": v, **versions[v]} for v in sorted(versions)],
-            "models": [{"model": m, "suites": models[m]} for m in sorted(models)]}
-
-
-def _decide(versions: dict[int, dict[str, Any]], version: int, decision: str | None, reasons: list[str],
-            at: float | None, serving: int | None, tests: dict[str, Any]) -> None:
-    row = versions[version]
-    if decision is None or (row["decided_at"] is not None and (at or 0) < row["decided_at"]):
-        return
-    row.update(decision=decision, reasons=list(reasons), decided_at=at, tests=tests)
-    if serving is not None:
-        row["serving_after"] = serving
-
-
-def _gate_summary(raw: dict[str, str]) -> dict[str, Any] | None:
-    if not raw:
-        return None
-
-    def load(name: str, default: Any) -> Any:
-        try:
-            return json.loads(raw[name]) if raw.get(name) else default
-        except ValueError:
-            return default
-
-    serving = raw.get("serving", "")
-    return {"promoted": load("promoted", []), "best": load("best", {}),
-            "serving": int(serving) if serving.isdigit() else None,
-            "decided_at": float(raw["decided_at"]) if raw.get("decided_at") else None,
-            "config": load("config", {})}
-
-
-async def gather(settings: Settings, run: str, *, batches: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """What `show` prints (and, with `batches`, the training reward per policy version)."""
-    extra, why = await asyncio.to_thread(bucket_results, settings, run)
-    if why and not quiet:
-        print(f"nextstate: bucket not read ({why[:200]}); showing the evals stream only", file=sys.stderr)
-    async with Bus(settings) as bus:
-        try:
-            data = await collect(bus, run, extra)
-            if batches:
-                data["reward"] = await rewards(bus, run)
-        except RedisError as exc:
-            raise redis_error(exc, settings) from exc
-    return data
 
 
 # -- show ----------------------------------------------------------------------------------------
@@ -248,23 +120,6 @@ def show_cmd(args: argparse.Namespace) -> int:
 
 
 # -- plot ------------------------------------------------------------------------------------------
-async def rewards(bus: Bus, run: str) -> dict[int, float]:
-    """Mean reward of the training samples per policy version, over the `batches` stream."""
-    total: dict[int, float] = defaultdict(float)
-    count: dict[int, int] = defaultdict(int)
-    for data in await stream_messages(bus, bus.keys.batches):
-        try:
-            batch = json.loads(data)
-            if batch.get("run", "default") != run:
-                continue
-            for s in batch.get("samples", []):
-                total[int(s.get("policy_version", 0))] += float(s["reward"])
-                count[int(s.get("policy_version", 0))] += 1
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return {v: total[v] / count[v] for v in sorted(count)}
-
-
 MODEL_STYLES = ["--", ":", "-.", (0, (5, 1))]  # a model beside the run: a line across its suite's panel
 MARKERS = {"base": ("s", "tab:gray"), "promoted": ("o", "tab:green"), "refused": ("x", "tab:red"),
            "rolled_back": ("v", "tab:orange"), "skipped": ("+", "tab:gray"), "undecided": (".", "tab:gray")}
@@ -342,8 +197,6 @@ def plot_cmd(args: argparse.Namespace) -> int:
 # -- run ------------------------------------------------------------------------------------------
 def run_cmd(args: argparse.Namespace) -> int:
     if args.model is not None or args.source is not None:
-        from services.ctl.eval_models import run_model_cmd
-
         return run_model_cmd(args)
     if args.version is None:
         raise NextstateError("give VERSION (of this run), --model PATH or --version RUN:V")
@@ -387,7 +240,7 @@ def run_cmd(args: argparse.Namespace) -> int:
 async def default_suites(settings: Settings, run: str, version: int) -> list[str]:
     """The gate's suites, else those this version was evaluated on, else demo and drift."""
     async with Bus(settings) as bus:
-        gate = _gate_summary(await bus.redis.hgetall(bus.keys.gate_state))
+        gate = gate_summary(await bus.redis.hgetall(bus.keys.gate_state))
         if gate and gate["config"].get("suites"):
             return [str(s) for s in gate["config"]["suites"]]
         data = await collect(bus, run, [])

@@ -54,7 +54,7 @@ import redis
 from redis.exceptions import RedisError
 
 from services.ctl.common import redis_error, settings_from
-from services.ctl.importer import (
+from services.ctl.import_send import (
     Refused,
     Stopped,
     Unauthorized,

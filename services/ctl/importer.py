@@ -7,8 +7,8 @@ see services/buffer/seeds.py). They go to the buffer's `POST /receive` in chunks
 with a progress line per chunk; the buffer tokenizes them and publishes `Turn`s on
 `turns` for the judges. A chunk the buffer cannot take right now (503: Redis or the
 `turns` stream full) is retried with backoff — turn ids are derived from the content,
-so a retried chunk imports nothing twice. A malformed line or record stops the import
-and names its line.
+so a retried chunk imports nothing twice (sending: services/ctl/import_send.py). A
+malformed line or record stops the import and names its line.
 
 `/receive` needs the stack's internal token: `NEXTSTATE_INTERNAL__TOKEN`, else, for a buffer
 on this machine, the one the running `nextstate up` recorded in its secrets.json
@@ -31,25 +31,27 @@ import argparse
 import json
 import random
 import secrets
-import signal
 import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
-from services.ctl.stacks import endpoint, find_stack
+from services.ctl.import_send import (
+    DEFAULT_URL,
+    URL_ENV,
+    Stopped,
+    buffer_url,
+    internal_token,
+    send_chunk,
+    stop_on_signals,
+)
+from services.ctl.import_watch import add_watch_arguments, run_watch
 from shared.auth import bearer
 from shared.errors import NextstateError
-from shared.settings import Settings, load_settings
-
-DEFAULT_URL = "http://127.0.0.1:8200"
-URL_ENV = "NEXTSTATE_BUFFER_URL"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def register(sub: Any) -> None:
@@ -72,8 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=100, help="records per request (default 100)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
     p.add_argument("--retries", type=int, default=8, help="tries per chunk on 503 or no answer")
-    from services.ctl.import_watch import add_watch_arguments
-
     add_watch_arguments(p)
 
 
@@ -149,83 +149,6 @@ def chunks(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[i
         yield chunk
 
 
-# -- sending ---------------------------------------------------------------------------------
-class Refused(NextstateError):
-    """The buffer refused a chunk for what it holds (HTTP 4xx but 401): nothing of it was
-    published. `status` and the buffer's `message`."""
-
-    def __init__(self, text: str, status: int, message: str) -> None:
-        super().__init__(text)
-        self.status = status
-        self.message = message
-
-
-class Unauthorized(NextstateError):
-    """The buffer refused the credential (HTTP 401)."""
-
-
-class Stopped(NextstateError):
-    """A stop was asked for while a chunk waited to be retried (it was not sent)."""
-
-
-def send_chunk(client: httpx.Client, url: str, chunk: list[tuple[int, Any]], retries: int,
-               where: str, stop: threading.Event | None = None) -> dict[str, Any]:
-    """POST one chunk to `/receive`; its result. Retries 503s and transport errors with
-    backoff (turn ids are content hashes: a retried chunk imports nothing twice); raises
-    `Refused` (400, 413...), `Unauthorized`, `Stopped`, or `NextstateError` after `retries`."""
-    body = [record for _, record in chunk]
-    delay = 0.5
-    for attempt in range(1, retries + 1):
-        try:
-            resp = client.post(f"{url}/receive", json=body)
-        except httpx.HTTPError as exc:
-            problem = f"no answer from {url} ({type(exc).__name__}: {exc})"
-        else:
-            if resp.status_code == 200:
-                out: dict[str, Any] = resp.json()
-                return out
-            message = _message(resp)
-            if resp.status_code == 401:
-                raise Unauthorized(
-                    f"the buffer at {url} refused the credential (HTTP 401): {message}. Set "
-                    "NEXTSTATE_INTERNAL__TOKEN to the stack's internal token (`nextstate up` keeps "
-                    "it in <home>/up/<run>/secrets.json)")
-            if resp.status_code != 503:
-                lines = f"{where} {chunk[0][0]}-{chunk[-1][0]}"
-                raise Refused(f"the buffer refused {lines} (HTTP {resp.status_code}): {message}",
-                              resp.status_code, message)
-            problem = message
-        if attempt == retries:
-            raise NextstateError(f"giving up after {retries} tries: {problem}")
-        print(f"nextstate import: {problem}; retrying in {delay:.1f}s", file=sys.stderr)
-        if stop is not None and stop.wait(delay):
-            raise Stopped("stopped while waiting to retry")
-        if stop is None:
-            time.sleep(delay)
-        delay = min(delay * 2, 10.0)
-    raise AssertionError("unreachable")
-
-
-def _message(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return resp.text[:300]
-
-
-def internal_token(url: str) -> str | None:
-    """NEXTSTATE_INTERNAL__TOKEN, else (for a buffer on this machine) the token the
-    running `nextstate up` recorded; a remote buffer never gets a local stack's token."""
-    token = load_settings(Settings).internal.secret()
-    if token is None and urlsplit(url).hostname in LOOPBACK and (stack := find_stack()) is not None:
-        token = stack.secrets.get("internal_token") or None
-    return token
-
-
-def buffer_url(args: argparse.Namespace) -> str:
-    return endpoint(args.url, URL_ENV, "buffer", DEFAULT_URL).rstrip("/")
-
-
 def check_arguments(args: argparse.Namespace) -> None:
     sources = [x for x in (args.file, args.mock, args.watch) if x is not None]
     if len(sources) != 1:
@@ -242,25 +165,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise NextstateError("--mock N needs N of at least 1")
 
 
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT (the first of either; a second SIGINT interrupts)."""
-    stop = threading.Event()
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
-
-
 def run_import(args: argparse.Namespace) -> int:
     check_arguments(args)
     if args.watch is not None:
-        from services.ctl.import_watch import run_watch
-
         return run_watch(args)
     url = buffer_url(args)
     totals = {"records": 0, "published": 0, "side": 0, "untrainable": 0}

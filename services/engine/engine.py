@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from services.engine import metrics
+from services.engine.errors import ModelLoadError
 from services.engine.lora import AdapterError, read_adapter
-from services.engine.model import LoadedModel, ModelLoadError, incompatible, load_model
+from services.engine.model import LoadedModel, incompatible, load_model
 from services.engine.request import GenParams, Job, Snapshot
 from services.engine.scheduler import AdapterRefused, Scheduler, SwapRefused, UnknownAdapter
 from services.engine.settings import EngineGroup

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.model import ModelLoadError
+from services.engine.errors import ModelLoadError
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from shared.errors import NextstateError
+from services.engine.errors import ModelLoadError
+from services.engine.lora import LoraContext
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ _SHAPE_FIELDS = (
     "head_dim",
     "tie_word_embeddings",
 )
-
-
-class ModelLoadError(NextstateError):
-    """A model folder cannot be served: missing, unreadable, or incomplete."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,13 +62,7 @@ class LoadedModel:
     device: torch.device
     cache_arg: str  # "cache" (transformers >= 5.x) or "past_key_values"
     logits_to_keep: bool
-    lora: Any = field(default=None)  # LoraContext: the rows' adapters of the forward being run
-
-    def __post_init__(self) -> None:
-        if self.lora is None:
-            from services.engine.lora import LoraContext
-
-            self.lora = LoraContext()
+    lora: LoraContext = field(default_factory=LoraContext)  # the rows' adapters of the forward being run
 
     @contextlib.contextmanager
     def adapters(self, rows: Sequence[Any]) -> Iterator[None]:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from services.judge import metrics
-from services.judge.judges import Verdict, render_for_judge
 from services.judge.settings import JudgeConfig
+from services.judge.verdict import Verdict, render_for_judge
 from shared.errors import NextstateError, SettingsError
 from shared.schemas import Turn, Vote
 

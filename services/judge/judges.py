@@ -1,4 +1,5 @@
-"""Pluggable judges: a turn (with its next state) in, a `Verdict` out.
+"""Pluggable judges: a turn (with its next state) in, a `Verdict` out (the `Verdict`, the
+`Judge` protocol and `render_for_judge` are in services/judge/verdict.py).
 
 - `prm`: the LLM judge; m concurrent votes under a versioned prompt, aggregated by
   `NEXTSTATE_JUDGE__SCORES` (labels: the vote threshold, default a strict majority;
@@ -24,19 +25,14 @@ import inspect
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from services.judge.backend import JudgeBackend
+from services.judge.classifier import ClassifierJudge
 from services.judge.parsing import Score, aggregate
-from services.judge.prompts import (
-    PRM_PROMPTS,
-    judge_messages,
-    message_text,
-    prompt_for,
-    render_turn,
-)
+from services.judge.prompts import PRM_PROMPTS, judge_messages, message_text, prompt_for
 from services.judge.settings import JudgeConfig
+from services.judge.verdict import Judge, Verdict, render_for_judge
 from services.judge.votes import cast_votes
 from shared.errors import NextstateError, SettingsError
 from shared.schemas import Turn, Vote
@@ -44,30 +40,6 @@ from shared.schemas import Turn, Vote
 
 class PluginError(NextstateError):
     """A judge plugin failed or returned something other than a score in [-1, 1] or (score, text)."""
-
-
-@dataclass
-class Verdict:
-    reward: float  # in [-1, 1]
-    votes: list[Vote] = field(default_factory=list)
-    judge: str = "prm"
-    judge_model: str | None = None
-    prompt_version: str | None = None
-
-
-class Judge(Protocol):
-    name: str
-
-    async def judge(self, turn: Turn) -> Verdict: ...
-
-
-def render_for_judge(turn: Turn, cfg: JudgeConfig) -> str:
-    return render_turn(
-        turn.messages, turn.response, turn.next_state or [],
-        max_response_chars=cfg.max_response_chars,
-        max_next_state_chars=cfg.max_next_state_chars,
-        max_context_chars=cfg.max_context_chars,
-    )  # fmt: skip
 
 
 class PRMJudge:
@@ -197,9 +169,7 @@ def build_judge(cfg: JudgeConfig, backend: JudgeBackend | None) -> Judge:
     if cfg.type == "rule":
         return RuleJudge(cfg.positive, cfg.negative)
     if cfg.type == "classifier":
-        from services.judge.classifier import ClassifierJudge  # torch: only for this judge
-
-        return ClassifierJudge(cfg)
+        return ClassifierJudge(cfg)  # torch and transformers: imported only as it loads its model
     if cfg.type in ("prm", "rule+prm"):
         if backend is None:
             raise SettingsError(f"judge type {cfg.type} needs a judge backend (NEXTSTATE_JUDGE__URL)")

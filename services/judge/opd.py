@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from services.judge import metrics
 from services.judge.backend import JudgeBackend
-from services.judge.judges import RuleJudge, render_for_judge
+from services.judge.judges import RuleJudge
 from services.judge.parsing import HINT_END, HINT_START, accepted_hint, cut_words, extract_hint
 from services.judge.prompts import HINT_PROMPTS, judge_messages, message_text, prompt_for
 from services.judge.settings import JudgeConfig
+from services.judge.verdict import render_for_judge
 from services.judge.votes import cast_votes
 from shared.errors import EngineNotSupported, EngineRejected
 from shared.schemas import Turn, Vote

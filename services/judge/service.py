@@ -36,10 +36,11 @@ from services.judge import metrics
 from services.judge.backend import JudgeBackend, make_backend
 from services.judge.collapse import RewardWindow
 from services.judge.experience import ExperienceStore, ExperienceTeacher, build_extractor
-from services.judge.judges import Judge, Verdict, build_judge
+from services.judge.judges import build_judge
 from services.judge.opd import OPDResult, Scorer, Teacher
 from services.judge.replay import Experiential
 from services.judge.settings import JudgeConfig, JudgeSettings
+from services.judge.verdict import Judge, Verdict
 from shared import keys as K
 from shared.consumer import Consumer, Delivery, consumer_name, stop_on_signals
 from shared.errors import BusError

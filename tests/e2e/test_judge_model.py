@@ -37,10 +37,11 @@ from openai import OpenAI
 from services.engine.model import load_tokenizer
 from services.judge.backend import make_backend
 from services.judge.collapse import is_undecided
-from services.judge.judges import PRMJudge, Verdict, render_for_judge
+from services.judge.judges import PRMJudge
 from services.judge.parsing import majority, parse_score
 from services.judge.prompts import PRM_PROMPTS, judge_messages
 from services.judge.settings import JudgeConfig
+from services.judge.verdict import Verdict, render_for_judge
 from shared.demo_tasks import TASKS
 from shared.schemas import ScoredTurn
 from tests.support.servers import REPO

@@ -18,7 +18,8 @@ import pytest
 
 from services.evaluator.settings import EvalConfig
 from services.evaluator.suite import EvalContext
-from services.evaluator.suites import SuiteError, resolve
+from services.evaluator.suites import resolve
+from services.evaluator.suites.errors import SuiteError
 from shared.settings import Settings
 from shared.streams import Bus
 from tests.support.collector_harness import engine_process

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.judge.judges import render_for_judge
 from services.judge.settings import JudgeConfig
+from services.judge.verdict import render_for_judge
 from shared.schemas import ScoredTurn, Turn
 from shared.settings import Settings
 from shared.streams import Bus

@@ -194,7 +194,7 @@ async def test_simulated_user_unreadable_ratings(engine: str, tiny_model: Path, 
         assert out.n == 1 and out.score == pytest.approx(3 / 9)
         assert out.metrics["unrated"] == 1.0 and out.ci is None
         (folder / "b.json").unlink()
-        from services.evaluator.suites import SuiteError
+        from services.evaluator.suites.errors import SuiteError
 
         with pytest.raises(SuiteError, match="no readable rating"):
             await resolve("simulated-user")(ctx)

@@ -12,8 +12,9 @@ import torch
 from pydantic import ValidationError
 
 from services.judge.classifier import ClassifierJudge, SequenceClassifier
-from services.judge.judges import build_judge, render_for_judge
+from services.judge.judges import build_judge
 from services.judge.settings import JudgeConfig
+from services.judge.verdict import render_for_judge
 from shared.errors import SettingsError
 from shared.schemas import Turn
 from tests.support.tiny_model import build_tiny_classifier

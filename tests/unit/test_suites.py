@@ -398,8 +398,8 @@ def test_env_suites_resolve_by_prefix() -> None:
 
 
 def test_env_suite_scores_episodes_once_per_task_and_leaves_errors_out() -> None:
-    from services.evaluator.suites import SuiteError
     from services.evaluator.suites.environment import score
+    from services.evaluator.suites.errors import SuiteError
 
     eps = [
         {"task_id": "a", "reward": 1.0, "passed": True, "steps": 2, "ended": "answered", "details": {"x": 1}},

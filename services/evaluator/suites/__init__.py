@@ -27,7 +27,7 @@ from typing import TypeVar, cast
 
 from services.evaluator.settings import EvalConfig
 from services.evaluator.suite import Suite
-from shared.errors import NextstateError, SettingsError
+from shared.errors import SettingsError
 
 BUILTIN = {
     "demo": "services.evaluator.suites.demo:suite",
@@ -38,10 +38,6 @@ CONCURRENCY = 4  # requests in flight by default (the evaluation engine batches 
 MAX_CALL_TIMEOUT_S = 120.0
 
 T = TypeVar("T")
-
-
-class SuiteError(NextstateError):
-    """A suite could not score the candidate (a model call failed, nothing could be rated)."""
 
 
 def resolve(name: str) -> Suite:

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from services.evaluator.suite import EvalContext, SuiteOutcome
-from services.evaluator.suites import SuiteError
+from services.evaluator.suites.errors import SuiteError
 from services.evaluator.suites.stats import wilson
 from shared.envjobs import enqueue_eval_episodes
 from shared.rqjobs import with_sync_twin

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from services.evaluator.suites import SuiteError
+from services.evaluator.suites.errors import SuiteError
 
 RETRIES = 2
 BACKOFF_S = 0.5

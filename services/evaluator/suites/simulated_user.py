@@ -28,7 +28,8 @@ import re
 from dataclasses import dataclass
 
 from services.evaluator.suite import EvalContext, SuiteOutcome
-from services.evaluator.suites import SuiteError, call_timeout, run_ordered
+from services.evaluator.suites import call_timeout, run_ordered
+from services.evaluator.suites.errors import SuiteError
 from services.evaluator.suites.openai_chat import ChatClient
 from services.evaluator.suites.scenarios import Scenario, load_scenarios
 from services.evaluator.suites.stats import clip, mean, mean_ci
