@@ -11,13 +11,13 @@
 #
 # Idempotent and cheap when done: the Debian base is made only when missing, the rest are
 # `docker build`s whose layers are cached. Needs root (debootstrap) the first time.
-#   TORCH_WHEELS_DIR   a folder holding torch-2.13.0+cpu-*.whl (default: pip's find-links)
+#   TORCH_WHEELS_DIR   a folder holding torch-<deploy/lock/torch.in>+cpu-*.whl (default: pip's find-links)
 #   DEBIAN_MIRROR      default http://deb.debian.org/debian
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 export DOCKER_BUILDKIT=0
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_VERSION=${TORCH_VERSION:-$(sed -n 's/^torch==//p' "$here/../lock/torch.in")}
 CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 say() { echo "bases: $*" >&2; }
 
@@ -50,6 +50,7 @@ ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 cp "$here"/Dockerfile.* "$here"/redis-entrypoint.sh "$here"/s3_entrypoint.py "$ctx"/
 cp "$CA_BUNDLE" "$ctx/ca-certificates.crt"
+cp "$here/../lock/image-s3.txt" "$here/../lock/lock.py" "$ctx"/
 build nextstate-offline/python:3.11 "$ctx" "$ctx/Dockerfile.python"
 build nextstate-offline/redis:7.0 "$ctx" "$ctx/Dockerfile.redis"
 build nextstate-offline/s3:latest "$ctx" "$ctx/Dockerfile.s3"

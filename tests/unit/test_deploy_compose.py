@@ -289,7 +289,8 @@ def test_build_contexts_dockerfiles_and_images() -> None:
     light = (REPO / "deploy/Dockerfile.light").read_text()
     torch_df = (REPO / "deploy/Dockerfile.torch").read_text()
     assert "torch" not in re.sub(r"#.*", "", light).lower(), "the light image must not pull torch"
-    assert "engine" not in re.findall(r'pip install "\.\[([^]]*)\]"', light)[0]
+    assert "-r /tmp/lock/image-light.txt" in light  # a lock made of no extra that pulls torch
+    assert not re.search(r"^(torch|transformers-cpu|xgrammar|peft)==", (REPO / "deploy/lock/image-light.txt").read_text(), re.M)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in torch_df
     for text in (light, torch_df):
         users = re.findall(r"^USER\s+(\S+)", text, re.M)
@@ -458,7 +459,8 @@ def test_the_vllm_profile_starts_vllm_as_up_does() -> None:
         raw = yaml.safe_load(COMPOSE.read_text())["services"][name]["environment"][var]
         assert raw == "${ENGINE_KIND:-sglang}", name
     dockerfile = (REPO / "deploy/Dockerfile.vllm").read_text()
-    assert "--no-deps" in dockerfile and "deploy/vllm/requirements.txt" in dockerfile
+    assert "--require-hashes --no-deps -r /tmp/lock/vllm.txt" in dockerfile
+    assert "COPY deploy/lock/vllm.txt" in dockerfile and "lock.py --verify vllm" in dockerfile
     assert re.findall(r"^USER\s+(\S+)", dockerfile, re.M)[-1] == "nextstate"
 
 

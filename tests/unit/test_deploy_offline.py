@@ -80,38 +80,17 @@ def test_the_torch_image_creates_the_folders_its_volumes_mount_owned_by_its_user
                 assert parts[1] in chown.group(1).split(), (name, vol)
 
 
-def test_code_is_copied_after_the_dependencies_so_a_code_change_reuses_them() -> None:
-    for name in ("light", "torch"):
+def test_code_is_copied_after_the_locked_dependencies_so_a_code_change_reuses_them() -> None:
+    for name, lock in (("light", "image-light"), ("torch", "${LOCK}")):
         text = (REPO / "deploy" / f"Dockerfile.{name}").read_text()
-        install = text.index('pip install ".[')
-        assert text.index("COPY pyproject.toml") < install < text.index("COPY shared")
-        assert "COPY README.md" not in text  # README edits must not reinstall everything
+        install = text.index(f"pip install --require-hashes --no-deps -r /tmp/lock/{lock}.txt")
+        assert text.index(f"COPY deploy/lock/{lock}.txt deploy/lock/lock.py") < install
+        assert install < text.index(f"lock.py --verify {lock}") < text.index("COPY shared")
+        # nothing but the lock installs: no pyproject, no unpinned requirement, no README
+        assert "pyproject.toml" not in text and "COPY README.md" not in text
+        assert not re.search(r"pip install (?!--require-hashes|--no-deps /wheels|--index-url)", text), name
         # one stage after the wheels: no venv copied between stages on a dependency change
         assert "COPY --from=build" not in text
-        assert text.index("COPY shared") > text.rindex('pip install ".[')
-
-
-def _names(requirements: list[str]) -> set[str]:
-    return {re.split(r"[\[<>=!; ]", r.strip(), maxsplit=1)[0].lower().replace("_", "-")
-            for r in requirements if r.strip() and not r.lstrip().startswith("#")}
-
-
-@pytest.mark.parametrize(("image", "extras"), [("light", ("collector", "judge", "buffer", "watcher", "ctl", "envs")),
-                                                ("torch", ("engine", "trainer"))])
-def test_the_heavy_dependency_layer_holds_every_dependency_of_the_images_extras(
-        image: str, extras: tuple[str, ...]) -> None:
-    """So that a change to pyproject.toml installs only what it adds (seconds), not all."""
-    import tomllib
-
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = _names(project["dependencies"])
-    for extra in extras:
-        wanted |= _names(project["optional-dependencies"][extra])
-    wanted -= {"torch"}  # from the wheel or the index, before this layer
-    have = _names((REPO / "deploy" / "requirements" / f"{image}.txt").read_text().splitlines())
-    assert wanted <= have, f"add to deploy/requirements/{image}.txt: {sorted(wanted - have)}"
-    text = (REPO / "deploy" / f"Dockerfile.{image}").read_text()
-    assert text.index(f"COPY deploy/requirements/{image}.txt") < text.index("COPY pyproject.toml")
 
 
 def test_the_offline_override_swaps_every_third_party_image_and_builds_on_local_bases() -> None:
