@@ -7,6 +7,7 @@ these and need nothing running.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +15,39 @@ from pathlib import Path
 import pytest
 
 from shared.settings import Settings
+from tests.support.once import built_once
 from tests.support.servers import RedisServer, S3Server
 from tests.support.tiny_model import build_tiny_model, build_tokenizer
 from tests.support.tool_model import build_tool_model
+
+# -- parallel runs (pytest-xdist, `--dist loadgroup`) ---------------------------------------
+# Each module is one group, run whole by one worker (its module-scoped stacks start once);
+# the tests that drive Docker share one group (they build the same images and compose
+# projects). Groups are handed out heaviest first, by tests/durations.json (each module's
+# seconds in a recent run: `python -m tests.support.durations JUNIT.xml` rewrites it), so
+# the longest ones do not start last.
+DOCKER = {"tests/e2e/test_compose.py", "tests/e2e/test_compose_ray.py",
+          "tests/integration/test_sandbox_docker.py"}  # fmt: skip
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def group_of(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return "docker" if module in DOCKER else module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = group_of(item.nodeid)
+        item.add_marker(pytest.mark.xdist_group(group))
+        item.user_properties.append(("group", group))
+    if getattr(config.option, "dist", "no") == "no":
+        return
+    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    weight: dict[str, float] = {}
+    for module, took in seconds.items():
+        weight[group_of(module)] = weight.get(group_of(module), 0.0) + took
+    items.sort(key=lambda item: -weight.get(group_of(item.nodeid), 1.0))  # stable: file order within
 
 
 @pytest.fixture(scope="session")
@@ -97,20 +128,18 @@ def s3_settings(s3_env: dict[str, str]) -> Settings:
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer and chat template alone (tests/support/tiny_model.py): a
-    folder for ChatTemplate.from_pretrained, built once per session, without torch."""
-    path = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tokenizer(path)
-    return path
+    folder for ChatTemplate.from_pretrained, built once per run (tests/support/once.py), without torch."""
+    return built_once(tmp_path_factory, "tiny-tokenizer", build_tokenizer)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF folder: tokenizer with a ChatML/tools template + a 2-layer random Llama."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    return built_once(tmp_path_factory, "tiny-model", build_tiny_model)
 
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model trained to call `get_weather` and answer (tests/support/tool_model.py),
-    built once per session (~12 s)."""
-    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
+    built once per run (~12 s)."""
+    return built_once(tmp_path_factory, "tool-model", build_tool_model)

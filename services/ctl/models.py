@@ -12,6 +12,7 @@ folder is world-readable (0755 folders, 0644 files): containers read it as their
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -57,6 +58,17 @@ def ensure_default_model(dest: Path | None = None) -> Path:
     if is_model_folder(dest):
         make_readable(dest)  # folders converted before it was readable
         return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time (processes converting into one home at once, as parallel
+    # test workers do): the others wait, then find the folder there.
+    with open(dest.parent / f".{dest.name}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if not is_model_folder(dest):
+            _convert(dest)
+    return dest
+
+
+def _convert(dest: Path) -> None:
     src = smollm2_dir()
     log.info("converting %s from GGUF to an HF folder (once)", SMOLLM2)
     import torch
@@ -72,7 +84,6 @@ def ensure_default_model(dest: Path | None = None) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.generation_config = gguf_model.generation_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         model.save_pretrained(str(staging))
@@ -84,7 +95,6 @@ def ensure_default_model(dest: Path | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("default model ready at %s", dest)
-    return dest
 
 
 def make_readable(folder: Path) -> Path:

@@ -1,7 +1,8 @@
 """The sandbox's docker backend against a real Docker engine: runs only where `docker info`
 answers (skipped otherwise, with docker's reason), with the image of
-NEXTSTATE_TEST_DOCKER_IMAGE (default python:3.12-slim; pulled once if missing, skipped when
-that is impossible). The same steps as the process backend's tests: output and files,
+NEXTSTATE_TEST_DOCKER_IMAGE (default nextstate-offline/python:3.11, the offline Python base
+that deploy/offline/bases.sh builds from Debian's packages, as the compose tests do: built
+here when missing; another image is pulled when missing). The same steps as the process backend's tests: output and files,
 no network, a read-only filesystem outside the directory, a non-root user, the memory and
 process limits, and a timeout that leaves no container behind.
 """
@@ -21,7 +22,9 @@ import pytest
 from services.envs.container import DockerConfig
 from services.envs.sandbox import Sandbox, SandboxConfig, SandboxLimits
 
-IMAGE = os.environ.get("NEXTSTATE_TEST_DOCKER_IMAGE", "python:3.12-slim")
+OFFLINE = "nextstate-offline/python:3.11"
+IMAGE = os.environ.get("NEXTSTATE_TEST_DOCKER_IMAGE", OFFLINE)
+REPO = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(cpu_seconds=5, memory_bytes=128 << 20, max_processes=32, wall_seconds=20.0, output_bytes=4096)
 
 
@@ -41,7 +44,8 @@ def _engine() -> str | None:
 
 
 WHY_NOT = _engine()
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=f"no Docker engine: {WHY_NOT}")]
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=f"no Docker engine: {WHY_NOT}"),
+              pytest.mark.timeout(1500)]  # the first one may build the offline base (debootstrap)
 
 
 def _containers(label: str) -> list[str]:
@@ -53,10 +57,15 @@ def _containers(label: str) -> list[str]:
 @pytest.fixture(scope="module")
 def image() -> str:
     have = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True, timeout=60, check=False)
-    if have.returncode != 0:
+    if have.returncode == 0:
+        return IMAGE
+    if IMAGE == OFFLINE:  # Debian's packages only, no registry (a few minutes the first time)
+        made = subprocess.run(["bash", str(REPO / "deploy/offline/bases.sh")], capture_output=True, text=True,
+                              timeout=1200, check=False)  # fmt: skip
+        assert made.returncode == 0, f"deploy/offline/bases.sh failed:\n{made.stderr[-3000:]}"
+    else:
         pulled = subprocess.run(["docker", "pull", IMAGE], capture_output=True, text=True, timeout=600, check=False)
-        if pulled.returncode != 0:
-            pytest.skip(f"image {IMAGE} missing and not pullable: {pulled.stderr.strip()[-300:]}")
+        assert pulled.returncode == 0, f"image {IMAGE} missing and not pullable: {pulled.stderr.strip()[-300:]}"
     return IMAGE
 
 
@@ -64,7 +73,7 @@ def image() -> str:
 def sandbox(image: str) -> Iterator[Sandbox]:
     root = Path(tempfile.mkdtemp(prefix="nextstate-docker-it-"))
     root.chmod(0o711)
-    cfg = SandboxConfig(root=root / "sb", uid_lock_dir=root / "uids", backend="docker",
+    cfg = SandboxConfig(root=root / "sb", backend="docker",
                         docker=DockerConfig(image=image, pull="never"))
     with Sandbox(cfg, limits=LIMITS) as sb:
         yield sb

@@ -61,7 +61,7 @@ def root() -> Iterator[Path]:
 
 @pytest.fixture
 def config(root: Path) -> SandboxConfig:
-    return SandboxConfig(root=root / "sandboxes", uid_lock_dir=root / "uids")
+    return SandboxConfig(root=root / "sandboxes")  # the machine-wide uid locks: parallel tests never share a uid
 
 
 @pytest.fixture

@@ -117,7 +117,7 @@ def fake(tmp_path: Path) -> Iterator[tuple[SandboxConfig, Path]]:
     root = Path(tempfile.mkdtemp(prefix="nextstate-docker-test-"))
     root.chmod(0o711)
     container._AVAILABLE.discard(str(wrapper))
-    yield (SandboxConfig(root=root / "sb", uid_lock_dir=root / "uids", backend="docker",
+    yield (SandboxConfig(root=root / "sb", backend="docker",
                          docker=DockerConfig(binary=str(wrapper), image="example/sandbox:1")), state / "calls.jsonl")
     shutil.rmtree(root, ignore_errors=True)
 
