@@ -316,7 +316,10 @@ def main() -> int:
         for problem in problems:
             print(problem, file=sys.stderr)
         if not problems and a.verify:
-            print(f"{sys.executable}: exactly {a.verify} (torch {torch_version()} apart)")
+            from importlib.util import find_spec
+
+            besides = " (and torch, by version)" if find_spec("torch") else ""
+            print(f"{sys.executable}: exactly {a.verify}{besides}")
         return 1 if problems else 0
     names = a.only.split(",") if a.only else [lock.name for lock in LOCKS]
     unknown = [n for n in names if n not in BY_NAME]
