@@ -1,10 +1,17 @@
 """The real agents through the real collector: OpenClaw, the Codex CLI and Claude Code.
 
 Installed by `make agents` (tests/support/agents.py), unchanged, each in a private HOME with
-its telemetry and update checks off, against the collector in front of our CPU engine on
-the agent model of tests/support/agent_model.py (a 32k context that holds their default
-prompts; trained on the spot, 1-2 min, to call Codex's and Claude Code's shell tools). Turns are read
-back from the collector's `turns` stream in this session's Redis.
+its telemetry and update checks off, against the collector in front of a deterministic
+scripted engine: tests/support/standin_engine.py `--script`, a real process speaking
+SGLang's native API (as our engine does) with the agent model folder of
+tests/support/agent_model.py (its tokenizer and chat template, which the collector renders
+every request with, and a 32k context that holds the agents' default prompts). The engine
+decodes each prompt and answers by the script's ordered rules (a call of Codex's and of
+Claude Code's shell tool for their tasks, an answer to the tool's result, a reply to
+OpenClaw), so what the agents are answered is exact by construction; a prompt no rule
+matches is refused (a 500), never answered. Each test asserts which rules its run fired,
+and that no prompt was refused. Turns are read back from the collector's `turns` stream
+in this session's Redis.
 
 - OpenClaw's default setup (its full system prompt and tools, ~12k tokens here), two
   messages in one session on each of `openai-completions`, `openai-responses` and
@@ -12,13 +19,10 @@ back from the collector's `turns` stream in this session's Redis.
 - `codex exec` (Codex's default configuration plus a custom provider, `wire_api =
   "responses"`) and `claude -p` (ANTHROPIC_BASE_URL) each run a task with one shell tool
   call, which the agent really runs in a temporary workspace (`ls`): the tool's output is
-  the tool-call turn's next state, and the agent prints the model's answer.
-- A prompt over the context is refused on each API in the wording the agents classify,
-  checked against OpenClaw's own context-overflow classifier (its installed package, with
-  its Node).
-
-The collector serves these with `default_temperature` 0 (the agents send no temperature)
-so the trained answers are reproduced exactly.
+  the tool-call turn's next state, and the agent prints the scripted answer.
+- A prompt over the context is refused by the collector (it never reaches the engine) on
+  each API in the wording the agents classify, checked against OpenClaw's own
+  context-overflow classifier (its installed package, with its Node).
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from tests.support.agent_model import (
     REPLY,
     build_agent_model,
 )
-from tests.support.collector_harness import Turns, collector_process, engine_process, wait_ready
+from tests.support.collector_harness import Turns, collector_process, wait_ready
+from tests.support.scripted_engine import ScriptCounts, scripted_engine_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -68,15 +73,21 @@ def stack(agent_model: Path, redis_url: str) -> Iterator[dict[str, str]]:
     prefix = f"t-{uuid.uuid4().hex[:10]}"
     env = {"NEXTSTATE_ENV": "test", "NEXTSTATE_REDIS__URL": redis_url,
            "NEXTSTATE_REDIS__PREFIX": prefix}  # fmt: skip
-    engine = engine_process(agent_model, NEXTSTATE_ENGINE__SERVED_MODEL_NAME=MODEL)
-    collector = collector_process(env, engine[1], api_keys=A.API_KEY, default_temperature=0)
+    engine = scripted_engine_process(agent_model, model=MODEL)
+    collector = collector_process(env, engine[1], api_keys=A.API_KEY)
     try:
         wait_ready(engine, collector)
-        yield {"url": collector[1], "prefix": prefix, "redis": redis_url}
+        yield {"url": collector[1], "prefix": prefix, "redis": redis_url, "engine": engine[1]}
     finally:
         rc = collector[0].stop()
         engine[0].stop()
     assert rc == 0, collector[0].logs()
+
+
+@pytest.fixture
+def script(stack: dict[str, str]) -> ScriptCounts:
+    """The scripted engine's rule counts from the start of the test."""
+    return ScriptCounts(stack["engine"])
 
 
 @pytest.fixture
@@ -106,7 +117,9 @@ def _containing(turns: list[Turn], marker: str) -> list[Turn]:
 
 
 def _ran(proc: subprocess.CompletedProcess[str], what: str) -> None:
-    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{what} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 # -- OpenClaw's default setup, on each API -----------------------------------------------------
@@ -115,7 +128,12 @@ def _ran(proc: subprocess.CompletedProcess[str], what: str) -> None:
 @pytest.mark.timeout(900)  # two OpenClaw turns: ~20-40 s of its own CPU each, more on a busy host
 @pytest.mark.parametrize("api", ["openai-completions", "openai-responses", "anthropic-messages"])
 def test_openclaw_default_setup_pairs_its_second_message(
-    api: str, stack: dict[str, str], turns: Turns, workspace: Path, tmp_path: Path
+    api: str,
+    stack: dict[str, str],
+    script: ScriptCounts,
+    turns: Turns,
+    workspace: Path,
+    tmp_path: Path,
 ) -> None:
     home = A.AgentHome(tmp_path / "home")
     config = A.openclaw_config(stack["url"], api, MODEL, context_window=CONTEXT)
@@ -130,18 +148,24 @@ def test_openclaw_default_setup_pairs_its_second_message(
     two = A.openclaw_turn(home, session, second, cwd=workspace)
     _ran(two, "openclaw turn 2")
     took = time.monotonic() - t0
-    for run in (one, two):  # the model's answer reached the user as it was sampled
+    for run in (one, two):  # the scripted reply reached the user as the engine sent it
         out = json.loads(run.stdout)
         assert out["meta"]["finalAssistantVisibleText"] == REPLY, out["meta"]
+    assert script.fired() == {"openclaw": 2}  # one request a message, each answered REPLY
 
     # Turn 1 is closed by the request of message 2 (before that request reaches the engine).
     def first_turns(ts: list[Turn]) -> list[Turn]:
-        return [t for t in _containing(ts, first) if not any(second in _text(m) for m in t.messages)]
+        return [
+            t for t in _containing(ts, first) if not any(second in _text(m) for m in t.messages)
+        ]
 
     got = turns.wait(lambda ts: bool(first_turns(ts)), timeout=15,
                      what=f"OpenClaw's first turn on {api}, closed by its second message")  # fmt: skip
     [turn1] = first_turns(got)
     assert turn1.closed_by == "next_request", turn1.closed_by
+    assert turn1.response.get("content") == REPLY and not turn1.response.get("tool_calls"), (
+        turn1.response
+    )
     assert turn1.next_state, "the first turn has no next state"
     users = [m for m in turn1.next_state if m.get("role") == "user"]
     assert users and second in _text(users[0]), turn1.next_state
@@ -174,7 +198,7 @@ def _assert_tool_result_is_next_state(turn: Turn) -> None:
 
 @pytest.mark.timeout(600)
 def test_codex_exec_runs_a_shell_tool_and_its_output_pairs(
-    stack: dict[str, str], turns: Turns, workspace: Path, tmp_path: Path
+    stack: dict[str, str], script: ScriptCounts, turns: Turns, workspace: Path, tmp_path: Path
 ) -> None:
     home = A.AgentHome(tmp_path / "home")
     A.write_codex_config(home, A.codex_config(stack["url"], MODEL))
@@ -183,6 +207,7 @@ def test_codex_exec_runs_a_shell_tool_and_its_output_pairs(
     took = time.monotonic() - t0
     _ran(run, "codex exec")
     assert ANSWER in run.stdout, run.stdout
+    assert script.fired() == {"codex-call": 1, "codex-answer": 1}
     turn = _tool_turn(turns, str(workspace), "exec_command", "Codex's exec_command turn, paired")
     assert json.loads(turn.response["tool_calls"][0]["function"]["arguments"]) == {"cmd": "ls"}
     _assert_tool_result_is_next_state(turn)
@@ -194,7 +219,7 @@ def test_codex_exec_runs_a_shell_tool_and_its_output_pairs(
 
 @pytest.mark.timeout(600)
 def test_claude_print_runs_bash_and_its_output_pairs(
-    stack: dict[str, str], turns: Turns, workspace: Path, tmp_path: Path
+    stack: dict[str, str], script: ScriptCounts, turns: Turns, workspace: Path, tmp_path: Path
 ) -> None:
     home = A.AgentHome(tmp_path / "home")
     t0 = time.monotonic()
@@ -203,6 +228,7 @@ def test_claude_print_runs_bash_and_its_output_pairs(
     _ran(run, "claude -p")
     result = json.loads(run.stdout)
     assert result["result"] == ANSWER and not result["is_error"], result
+    assert script.fired() == {"claude-call": 1, "claude-answer": 1}
     turn = _tool_turn(turns, str(workspace), "Bash", "Claude Code's Bash turn, paired")
     assert json.loads(turn.response["tool_calls"][0]["function"]["arguments"])["command"] == "ls"
     _assert_tool_result_is_next_state(turn)
@@ -247,7 +273,9 @@ OVERFLOW = {  # API -> (path, body for a prompt of `big`)
 
 
 @pytest.mark.timeout(600)
-def test_a_prompt_over_the_context_is_an_overflow_the_agents_recognise(stack: dict[str, str]) -> None:
+def test_a_prompt_over_the_context_is_an_overflow_the_agents_recognise(
+    stack: dict[str, str], script: ScriptCounts
+) -> None:
     big = "hello world " * (CONTEXT * 2 // 3)  # well over the 32,768-token context
     headers = {"authorization": f"Bearer {A.API_KEY}", "x-api-key": A.API_KEY,
                "anthropic-version": "2023-06-01"}  # fmt: skip
@@ -258,10 +286,14 @@ def test_a_prompt_over_the_context_is_an_overflow_the_agents_recognise(stack: di
             assert resp.status_code == 400, (api, resp.status_code, resp.text[:500])
             body = resp.json()
             if api == "anthropic-messages":
-                assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+                assert (
+                    body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+                ), body
                 message = body["error"]["message"]
                 # Anthropic's words; the maximum is the most input tokens (the context less one)
-                assert re.fullmatch(rf"prompt is too long: \d+ tokens > {CONTEXT - 1} maximum", message), message
+                assert re.fullmatch(
+                    rf"prompt is too long: \d+ tokens > {CONTEXT - 1} maximum", message
+                ), message
                 seen += [message, f"400 {json.dumps(body)}"]  # as Anthropic's SDK words it
             else:  # OpenAI's words for each of its APIs
                 assert body["error"]["code"] == "context_length_exceeded", body
@@ -270,8 +302,11 @@ def test_a_prompt_over_the_context_is_an_overflow_the_agents_recognise(stack: di
                          if api == "openai-completions" else
                          rf"Your input exceeds the context window of this model: its maximum context "
                          rf"length is {CONTEXT} tokens, and ")  # fmt: skip
-                assert re.match(words + r"your (messages|input) resulted in \d+ tokens", message), message
+                assert re.match(words + r"your (messages|input) resulted in \d+ tokens", message), (
+                    message
+                )
                 seen += [message, f"400 {message}"]  # as OpenAI's SDK words it
+    assert script.fired() == {}  # the collector refused them all: none reached the engine
     # Today's wording before issue 22 is no overflow to OpenClaw: the classifier discriminates.
     before = ("the model server refused the request: /generate: engine answered 400: the prompt "
               "has 40000 tokens; the context length is 32768")  # fmt: skip
