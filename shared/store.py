@@ -227,7 +227,6 @@ class Bucket:
     def get_file(self, key: str, path: str | Path) -> FileDigest:
         """Download to `path` (written to a temporary sibling, then renamed); hash it on the way."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
         h = hashlib.sha256()
         size = 0
@@ -235,6 +234,7 @@ class Bucket:
             with self._errors("download", key, local=path):
                 resp = self._client.get_object(self.name, key)
                 try:
+                    path.parent.mkdir(parents=True, exist_ok=True)  # once the object is there
                     with open(tmp, "wb") as f:
                         for chunk in resp.stream(CHUNK):
                             f.write(chunk)

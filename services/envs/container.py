@@ -33,6 +33,7 @@ per tool call, against ~5-8 ms for the process backend.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
 import subprocess
@@ -143,13 +144,16 @@ def remove_labelled(cfg: DockerConfig, sandbox_id: str) -> None:
         log.warning("could not remove the containers of sandbox %s: %s", sandbox_id, e)
 
 
-_AVAILABLE: set[str] = set()  # CLIs whose engine answered: only successes are remembered
+# (CLI, DOCKER_HOST) pairs whose engine answered: only successes are remembered, and only for
+# the engine they reached (another DOCKER_HOST is asked again).
+_AVAILABLE: set[tuple[str, str | None]] = set()
 
 
 def check_available(cfg: DockerConfig) -> None:
     """Raise `DockerUnavailable` saying what is missing when no Docker engine answers (asked
     once per process and CLI once it did; a failure is asked again next time)."""
-    if cfg.binary in _AVAILABLE:
+    key = (cfg.binary, os.environ.get("DOCKER_HOST"))
+    if key in _AVAILABLE:
         return
     path = shutil.which(cfg.binary)
     if path is None:
@@ -173,4 +177,4 @@ def check_available(cfg: DockerConfig) -> None:
             f"the docker sandbox backend needs a Docker engine, and `{cfg.binary} info` failed: {lines[-1]} "
             "Start the engine (dockerd) or point DOCKER_HOST at one on this machine, or use "
             "NEXTSTATE_ENVS__SANDBOX__BACKEND=process")
-    _AVAILABLE.add(cfg.binary)
+    _AVAILABLE.add(key)

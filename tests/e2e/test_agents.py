@@ -28,7 +28,9 @@ in this session's Redis.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import time
 import uuid
@@ -56,6 +58,23 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "agent-model"
 WORKSPACE = {"notes.txt": "buy milk\n", "hello.py": "print('hello')\n"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def openclaw_tmp_files() -> Iterator[None]:
+    """OpenClaw keeps its state locks in /tmp/openclaw-state-locks-<uid> and its log in
+    /tmp/openclaw whatever TMPDIR says: what this module's runs add there goes after them."""
+    folders = [Path(f"/tmp/openclaw-state-locks-{os.getuid()}"), Path("/tmp/openclaw")]
+    before = {f: set(f.iterdir()) if f.is_dir() else None for f in folders}
+    yield
+    for folder, had in before.items():
+        if not folder.is_dir():
+            continue
+        if had is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        for path in set(folder.iterdir()) - had:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

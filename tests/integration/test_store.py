@@ -33,7 +33,7 @@ def pfx(unique: str) -> str:
     return f"test-store/{unique}/"
 
 
-def test_bytes_round_trip_and_missing_key(bucket: Bucket, pfx: str) -> None:
+def test_bytes_round_trip_and_missing_key(bucket: Bucket, pfx: str, tmp_path: Path) -> None:
     key = pfx + "a.bin"
     assert not bucket.exists(key)
     with pytest.raises(ObjectNotFound) as err:
@@ -50,7 +50,8 @@ def test_bytes_round_trip_and_missing_key(bucket: Bucket, pfx: str) -> None:
     assert not bucket.exists(key)
     bucket.delete(key)  # deleting a missing key is fine
     with pytest.raises(ObjectNotFound):
-        bucket.get_file(key, Path("/nonexistent-dir-never-created/x"))
+        bucket.get_file(key, tmp_path / "never-created" / "x")
+    assert not (tmp_path / "never-created").exists()  # a missing object makes no folder
 
 
 def test_json_round_trip(bucket: Bucket, pfx: str) -> None:

@@ -268,6 +268,8 @@ def test_ray_backend_trains_like_the_local_trainer(
         "NEXTSTATE_TRAINER__NUM_WORKERS": "2",
         "NEXTSTATE_TRAINER__RAY_STORAGE": str(tmp_path / "ray-results"),
         "RAY_TMPDIR": str(ray_tmp),
+        # A new local cluster saves its auth token as ~/.ray/auth_token: a HOME of the test's own.
+        "HOME": str(ray_tmp / "home"),
     }
     run = s3_settings.run
     keys = Keys(s3_settings.redis.prefix)

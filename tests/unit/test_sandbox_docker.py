@@ -116,7 +116,7 @@ def fake(tmp_path: Path) -> Iterator[tuple[SandboxConfig, Path]]:
     wrapper.chmod(0o755)
     root = Path(tempfile.mkdtemp(prefix="nextstate-docker-test-"))
     root.chmod(0o711)
-    container._AVAILABLE.discard(str(wrapper))
+    container._AVAILABLE.discard((str(wrapper), os.environ.get("DOCKER_HOST")))
     yield (SandboxConfig(root=root / "sb", backend="docker",
                          docker=DockerConfig(binary=str(wrapper), image="example/sandbox:1")), state / "calls.jsonl")
     shutil.rmtree(root, ignore_errors=True)
