@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
+# pip's downloads are cached in the clone (.cache/pip), like everything else a target writes.
+export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
 # Every environment installs from a lock (deploy/lock/*.txt: exact versions and hashes, made
 # by `make lock`; docs/contributing.md), with --no-deps: what is not in the lock never comes
 # in. torch is pinned by version only (deploy/lock/torch.in): the CPU wheel from pip's
