@@ -28,7 +28,7 @@ VLLM_PYTHON ?= python3.11
 PYTEST_ARGS ?=
 # Tests run in parallel, in the groups tests/conftest.py gives them (one module, or every
 # Docker test, per worker); PYTEST_WORKERS=1: one process, in file order.
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0 1,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 # The real agents the end-to-end tests in tests/e2e/ drive: Node from PyPI's
