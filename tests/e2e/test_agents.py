@@ -63,8 +63,10 @@ WORKSPACE = {"notes.txt": "buy milk\n", "hello.py": "print('hello')\n"}
 @pytest.fixture(scope="module", autouse=True)
 def openclaw_tmp_files() -> Iterator[None]:
     """OpenClaw keeps its state locks in /tmp/openclaw-state-locks-<uid> and its log in
-    /tmp/openclaw whatever TMPDIR says: what this module's runs add there goes after them."""
-    folders = [Path(f"/tmp/openclaw-state-locks-{os.getuid()}"), Path("/tmp/openclaw")]
+    /tmp/openclaw, Codex its daemon's folder in /tmp/codex-daemon-<uid>, whatever TMPDIR says:
+    what this module's runs add there goes after them."""
+    uid = os.getuid()
+    folders = [Path(f"/tmp/openclaw-state-locks-{uid}"), Path("/tmp/openclaw"), Path(f"/tmp/codex-daemon-{uid}")]
     before = {f: set(f.iterdir()) if f.is_dir() else None for f in folders}
     yield
     for folder, had in before.items():
