@@ -221,6 +221,9 @@ def run_path(path: str, model: Path, args: argparse.Namespace, work: Path, rds: 
             "NEXTSTATE_WATCHER__POLL_INTERVAL_S": str(args.poll), "NEXTSTATE_WATCHER__LOCAL_DIR": str(local),
             "NEXTSTATE_WATCHER__BASE_MODEL": str(model), "NEXTSTATE_WATCHER__KEEP_LOCAL": "1",
             "NEXTSTATE_WATCHER__RELOAD_TIMEOUT_S": "1800", "NEXTSTATE_WATCHER__PORT": str(wport),
+            # bf16 versions of a float32 base: the engine casts them, as one told --dtype would
+            # (docs/weights.md, "An engine that casts what it loads").
+            **({"NEXTSTATE_WATCHER__SERVED_DTYPE": "bfloat16"} if path == "bf16" else {}),
         }).start()  # fmt: skip
         procs.append(watcher)
         watcher.wait_http(f"http://127.0.0.1:{wport}/readyz", timeout=120)

@@ -8,9 +8,11 @@ writes `.env` from `.env.example` (the project folder's: where docker-compose.ym
   collector's bearer keys — one for you, one for the environment workers — and
   Grafana's), letters and digits only (they are embedded in redis:// URLs);
 - NEXTSTATE_MODEL_DIR: `--model PATH` (an HF folder), or the demo model converted once
-  (services/ctl/models.py); made readable by every user, since the images run as uid
-  10001 and read it through a bind mount (a folder this user does not own and others
-  cannot read is refused, with the paths to fix);
+  (services/ctl/models.py) in the dtype the profile's engine serves (`compose_dtype`: bf16
+  for SGLang on the `gpu` profile, VLLM_DTYPE for `vllm`, else float32; a change of
+  profile moves a demo folder to the new dtype's); made readable by every user, since
+  the images run as uid 10001 and read it through a bind mount (a folder this user does
+  not own and others cannot read is refused, with the paths to fix);
 - COMPOSE_PROFILES (and ENGINE_KIND=vllm for the vllm profile);
 - with `--offline`, COMPOSE_FILE naming deploy/compose/offline.yml, after building its
   base images (deploy/offline/bases.sh) unless `--no-bases`. Its builds use the classic
@@ -33,7 +35,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.ctl.models import ensure_default_model, is_model_folder, make_readable, unreadable
+from services.ctl.models import (
+    ensure_default_model,
+    is_default_model,
+    is_model_folder,
+    make_readable,
+    served_dtype,
+    unreadable,
+)
 
 OFFLINE_FILE = "deploy/compose/offline.yml"
 BASES = "deploy/offline/bases.sh"
@@ -112,10 +121,21 @@ def choose(args: argparse.Namespace, example: dict[str, str], current: dict[str,
     return values
 
 
-def model_folder(arg: str | None, current: str | None) -> Path:
-    if arg is None and current:
+def compose_dtype(values: dict[str, str]) -> str:
+    """The dtype the stack of `values` serves the demo model in: SGLang (profile gpu) bf16,
+    vLLM (profile vllm) VLLM_DTYPE, our CPU engine float32."""
+    profiles = {p.strip() for p in values.get("COMPOSE_PROFILES", "cpu").split(",")}
+    if "gpu" in profiles:
+        return served_dtype("sglang")
+    if "vllm" in profiles:
+        return served_dtype("vllm", values.get("VLLM_DTYPE") or "auto")
+    return served_dtype("cpu")
+
+
+def model_folder(arg: str | None, current: str | None, dtype: str = "float32") -> Path:
+    if arg is None and current and not is_default_model(Path(current)):
         return Path(current)
-    model = Path(arg).expanduser().resolve() if arg else ensure_default_model()
+    model = Path(arg).expanduser().resolve() if arg else ensure_default_model(dtype=dtype)
     if not is_model_folder(model):
         raise SystemExit(f"nextstate compose init: {model} is not an HF model folder (config.json, *.safetensors)")
     make_readable(model)
@@ -138,7 +158,8 @@ def main(args: argparse.Namespace) -> int:
     template = example_path.read_text()
     current = read_env(env_path)
     values = choose(args, read_env(example_path), current)
-    values["NEXTSTATE_MODEL_DIR"] = str(model_folder(args.model, current.get("NEXTSTATE_MODEL_DIR")))
+    values["NEXTSTATE_MODEL_DIR"] = str(model_folder(args.model, current.get("NEXTSTATE_MODEL_DIR"),
+                                                     compose_dtype(values)))
     if args.offline and not args.no_bases:
         if shutil.which("docker") is None:
             print("nextstate compose init: --offline builds images: install Docker first "

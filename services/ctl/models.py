@@ -8,6 +8,15 @@ safetensors folder the engine and trainer load like any other. The result is cac
 staging folder, so an interrupted conversion never leaves a half folder behind. The
 folder is world-readable (0755 folders, 0644 files): containers read it as their own user
 (uid 10001 in our images) when it is mounted (`docker compose`, `nextstate compose init`).
+
+It is converted to the dtype it will be served in, since the trainer publishes every
+version in the base folder's dtype and the watcher refuses any other (shared/dtypes.py):
+one dtype from v0 on. `served_dtype` says which: float32 for our engine on a CPU (and on a
+GPU unless NEXTSTATE_ENGINE__DTYPE says otherwise) and for vLLM's CPU build
+(NEXTSTATE_ENGINE__DTYPE / VLLM_DTYPE, float32 by default: the trainer recomputes the
+engine's log-probs exactly); bfloat16 for SGLang on a GPU (compose's `gpu` profile), whose
+`--dtype auto` serves a bf16 folder as it is (and a float32 one in fp16). Each dtype has
+its own folder (`SmolLM2-135M-Instruct` in float32, `SmolLM2-135M-Instruct-bfloat16`, …).
 """
 
 from __future__ import annotations
@@ -24,14 +33,30 @@ log = logging.getLogger(__name__)
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_DTYPE = "float32"
 
 
 def home() -> Path:
     return Path(os.environ.get("NEXTSTATE_HOME", Path.home() / ".cache" / "nextstate"))
 
 
-def default_model_dir() -> Path:
-    return home() / "models" / SMOLLM2
+def default_model_dir(dtype: str = DEFAULT_DTYPE) -> Path:
+    return home() / "models" / (SMOLLM2 if dtype == DEFAULT_DTYPE else f"{SMOLLM2}-{dtype}")
+
+
+def is_default_model(path: Path) -> bool:
+    """`path` is the demo model's folder in one of its dtypes."""
+    return path in {default_model_dir(d) for d in DTYPES}
+
+
+def served_dtype(engine: str, dtype: str = "auto") -> str:
+    """The dtype the demo model is served in, so converted to: by `engine` (cpu: ours,
+    vllm: vLLM's CPU build, sglang: SGLang on a GPU) and its configured `dtype` (auto: the
+    engine's own choice)."""
+    if dtype in DTYPES:
+        return dtype
+    return "bfloat16" if engine == "sglang" else DEFAULT_DTYPE
 
 
 def is_model_folder(path: Path) -> bool:
@@ -52,9 +77,11 @@ def smollm2_dir() -> Path:
     )
 
 
-def ensure_default_model(dest: Path | None = None) -> Path:
-    """The SmolLM2 HF folder, converting it from the wheel's GGUF on first use."""
-    dest = dest or default_model_dir()
+def ensure_default_model(dest: Path | None = None, dtype: str = DEFAULT_DTYPE) -> Path:
+    """The SmolLM2 HF folder in `dtype`, converting it from the wheel's GGUF on first use."""
+    if dtype not in DTYPES:
+        raise RuntimeError(f"the demo model comes in {', '.join(DTYPES)}, not {dtype!r}")
+    dest = dest or default_model_dir(dtype)
     if is_model_folder(dest):
         make_readable(dest)  # folders converted before it was readable
         return dest
@@ -64,20 +91,21 @@ def ensure_default_model(dest: Path | None = None) -> Path:
     with open(dest.parent / f".{dest.name}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         if not is_model_folder(dest):
-            _convert(dest)
+            _convert(dest, dtype)
     return dest
 
 
-def _convert(dest: Path) -> None:
+def _convert(dest: Path, dtype: str = DEFAULT_DTYPE) -> None:
     src = smollm2_dir()
-    log.info("converting %s from GGUF to an HF folder (once)", SMOLLM2)
+    log.info("converting %s from GGUF to an HF folder in %s (once)", SMOLLM2, dtype)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF_FILE, dtype=torch.float32)
     config = AutoConfig.from_pretrained(str(src), gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    # Built in the served dtype: loading the dequantized fp32 state dict casts into it.
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # type: ignore[no-untyped-call]
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
     # Tied output embeddings may be absent from the GGUF state dict; anything else is an error.
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]

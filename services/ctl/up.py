@@ -79,7 +79,7 @@ from pydantic import SecretStr
 
 from services.ctl import bucket_roles, infra, redis_acl
 from services.ctl.common import redact
-from services.ctl.models import ensure_default_model, home
+from services.ctl.models import ensure_default_model, home, served_dtype
 from services.ctl.runcheck import check_home, check_stack, write_home
 from services.ctl.supervisor import LOUD, Proc, ProcessFailed, Ready, Supervisor, http_ready
 from shared.errors import SettingsError
@@ -199,19 +199,6 @@ def main(args: argparse.Namespace) -> int:
               "without --no-eval / --no-train)", file=sys.stderr)
         return 2
     try:
-        model = Path(args.model).resolve() if args.model else ensure_default_model()
-    except RuntimeError as exc:
-        print(f"nextstate up: {exc}", file=sys.stderr)
-        return 1
-    if not (model / "config.json").is_file():
-        print(f"nextstate up: {model} is not an HF model folder (no config.json)", file=sys.stderr)
-        return 1
-    judge_model = judge_model_path(args.judge_model, model)
-    if judge_model is not None and not (judge_model / "config.json").is_file():
-        print(f"nextstate up: --judge-model {judge_model} is not an HF model folder (no config.json); "
-              "give an HF folder, or `policy` for the policy's base weights", file=sys.stderr)
-        return 1
-    try:
         choice = load_settings(EngineChoiceSettings).engine
         if args.engine is not None:
             choice = choice.model_copy(update={"kind": args.engine})
@@ -226,6 +213,20 @@ def main(args: argparse.Namespace) -> int:
                                 "our engine and SGLang give and vLLM does not: use --engine cpu")
     except (RuntimeError, SettingsError) as exc:
         print(f"nextstate up: {exc}", file=sys.stderr)
+        return 1
+    try:  # the demo model in the dtype the engine serves (services/ctl/models.py)
+        dtype = served_dtype(choice.kind, choice.dtype)
+        model = Path(args.model).resolve() if args.model else ensure_default_model(dtype=dtype)
+    except RuntimeError as exc:
+        print(f"nextstate up: {exc}", file=sys.stderr)
+        return 1
+    if not (model / "config.json").is_file():
+        print(f"nextstate up: {model} is not an HF model folder (no config.json)", file=sys.stderr)
+        return 1
+    judge_model = judge_model_path(args.judge_model, model)
+    if judge_model is not None and not (judge_model / "config.json").is_file():
+        print(f"nextstate up: --judge-model {judge_model} is not an HF model folder (no config.json); "
+              "give an HF folder, or `policy` for the policy's base weights", file=sys.stderr)
         return 1
     return asyncio.run(up(args, model))
 

@@ -15,8 +15,12 @@ passed (blocking: run it off the event loop):
   model's, no more, no fewer (a tied output head may be saved or not);
 - base model: the version was trained from the served model (the manifest's
   `base_fingerprint` against the reference folder's, shared/runs.py);
+- dtype: a full version's weights are in the dtype served (shared/dtypes.py: the
+  reference folder's, which the engine serves as v0, or NEXTSTATE_WATCHER__SERVED_DTYPE),
+  so that no version switches the served precision without any training in it;
 - an adapter version instead: its config is the manifest's rank and alpha, and every A and
-  B matrix belongs to a linear layer of the served model, at (r, in) and (out, r).
+  B matrix belongs to a linear layer of the served model, at (r, in) and (out, r) (in any
+  dtype: the engine applies it in the dtype of the weights it holds).
 
 The reference is the model the engine serves: NEXTSTATE_WATCHER__BASE_MODEL, or the folder
 the engine reports in `/model_info` when the watcher can read it. Without one only the
@@ -28,13 +32,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from shared import checkpoints as ckpt
+from shared.dtypes import folder_dtype, safetensors_header, weights_dtype
 from shared.errors import ChecksumMismatch, IncompatibleCheckpoint
 from shared.runs import model_fingerprint
 from shared.schemas import CheckpointManifest
@@ -44,7 +48,6 @@ SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size",
               "tie_word_embeddings")
 TIED_HEAD, TIED_TO = "lm_head.weight", "model.embed_tokens.weight"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 ADAPTER_PREFIX = "base_model.model."  # PEFT's names of an adapter's tensors
 
@@ -87,38 +90,6 @@ def _config(folder: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise IncompatibleCheckpoint(f"{folder}: config.json is not an object")
     return data
-
-
-def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (dtype, shape) from a safetensors file's header; IncompatibleCheckpoint
-    when the header does not parse or the data does not end where the file ends."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise IncompatibleCheckpoint(f"{path.name}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(MAX_HEADER, size - 8):
-            raise IncompatibleCheckpoint(f"{path.name}: safetensors header of {n} bytes in a {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise IncompatibleCheckpoint(f"{path.name}: safetensors header is not JSON") from None
-    if not isinstance(header, dict):
-        raise IncompatibleCheckpoint(f"{path.name}: safetensors header is not an object")
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    end = 0
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            out[name] = (str(meta["dtype"]), tuple(int(d) for d in meta["shape"]))
-            end = max(end, int(meta["data_offsets"][1]))
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise IncompatibleCheckpoint(f"{path.name}: malformed entry {name!r} in the header") from None
-    if 8 + n + end != size:
-        raise IncompatibleCheckpoint(f"{path.name}: its tensors end at byte {8 + n + end}, the file at {size}")
-    return out
 
 
 def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -204,9 +175,23 @@ def check_adapter_fits(folder: Path, reference: Path, manifest: CheckpointManife
         raise IncompatibleCheckpoint(f"{folder.name}'s adapter does not fit the served model: {bad[:3]}")
 
 
-def verify_folder(folder: Path, reference: Path | None) -> CheckpointManifest:
-    """Everything above; returns the folder's manifest. Raises ChecksumMismatch (files) or
-    IncompatibleCheckpoint (base model, config, tensors)."""
+def check_dtype(folder: Path, manifest: CheckpointManifest, served: str | None, source: str) -> None:
+    """A full version's weights are in the dtype served (`served`, as `source` says; None:
+    unknown, nothing to compare). IncompatibleCheckpoint if not."""
+    got = weights_dtype(folder)
+    if served is None or got is None or got == served:
+        return
+    raise IncompatibleCheckpoint(
+        f"v{manifest.version}'s weights are {got}, the engine serves {served} ({source}): loading it would "
+        f"switch the served precision with no training in it. Publish {served} (NEXTSTATE_TRAINER__"
+        f"PUBLISH_DTYPE=auto follows the served model), or if the engine runs {got} whatever its folder "
+        f"(--dtype {got}), set NEXTSTATE_WATCHER__SERVED_DTYPE={got}")
+
+
+def verify_folder(folder: Path, reference: Path | None, served_dtype: str | None = None) -> CheckpointManifest:
+    """Everything above; returns the folder's manifest. `served_dtype`: the dtype the engine
+    serves (None: the reference folder's). Raises ChecksumMismatch (files) or
+    IncompatibleCheckpoint (base model, config, tensors, dtype)."""
     manifest = check_files(folder)
     if reference is not None:
         check_base(manifest, reference)
@@ -214,4 +199,9 @@ def verify_folder(folder: Path, reference: Path | None) -> CheckpointManifest:
             check_adapter_fits(folder, reference, manifest)
         else:
             check_fits(folder, reference)
+    if manifest.format == "full":
+        if served_dtype is not None:
+            check_dtype(folder, manifest, served_dtype, "NEXTSTATE_WATCHER__SERVED_DTYPE")
+        elif reference is not None:
+            check_dtype(folder, manifest, folder_dtype(reference), f"v0, {reference}")
     return manifest

@@ -24,6 +24,10 @@ class WatcherConfig(BaseModel):
     # The model the engine serves (its HF folder), which every version must fit before the
     # engine is asked to load it (compat.py); default: the engine's reported model path.
     base_model: str | None = None
+    served_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the dtype the engine serves: a full version in another is refused "
+        "(shared/dtypes.py). auto: the served model's folder's (config.json, else its weights), "
+        "which the engine serves as v0; set it when the engine casts whatever it loads (--dtype)")
     keep_local: int = Field(3, ge=1, description="verified versions kept in local_dir")
     # The engine waits for in-flight requests before swapping unless this is set.
     abort_requests: bool = False

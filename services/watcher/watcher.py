@@ -14,9 +14,9 @@ evaluation result arrives: the wait between passes blocks on `evals`):
    version (a complete local copy is used as is, without the bucket; otherwise download
    into staging — rebuilding files stored as deltas on the versions they build on — check
    every sha256, rename), verify the folder in full right before the load (compat.py:
-   every file's size and sha256 again, the base model's identity, and config and tensor
-   shapes against the served model — vLLM dies of a reload that fails, so nothing
-   unverified is ever sent), ask the engine to serve it as `str(version)` (a full version
+   every file's size and sha256 again, the base model's identity, config and tensor
+   shapes against the served model, and a full version's dtype against the one served
+   — vLLM dies of a reload that fails, so nothing unverified is ever sent), ask the engine to serve it as `str(version)` (a full version
    through `/update_weights_from_disk`, an adapter loaded by that name and the one it
    replaces unloaded: shared/engine_client/versions.py), and confirm what it serves. A
    delta that cannot be rebuilt refuses its version (`delta`), and the fallbacks below
@@ -273,7 +273,8 @@ class Watcher:
         folder = None
         try:
             folder = await self.bucket.run(install, self.bucket.sync, self.cfg.local_dir, run, version, key)
-            manifest = await self.bucket.run(verify_folder, folder, await self._reference())
+            served = None if self.cfg.served_dtype == "auto" else self.cfg.served_dtype
+            manifest = await self.bucket.run(verify_folder, folder, await self._reference(), served)
             return folder, manifest
         except BrokenDelta as exc:
             await self._refuse(version, "delta", str(exc))

@@ -344,3 +344,28 @@ async def test_foreign_weights_are_replaced_and_an_unfixed_mismatch_is_not_ready
             await eventually(lambda: readyz(watcher)[0] == 200, 10, "/readyz ready again")
             await eventually(lambda: state_where(bus, engine_version="2", mismatch="0"), 10, "v2 reported")
             assert await bus.redis.get(bus.keys.policy_version) == "2"
+
+
+async def test_a_version_in_another_dtype_than_served_is_refused(
+    s3_settings: Settings, engine: str, watcher: ServiceProcess, models: dict[str, Path], tmp_path: Path,
+) -> None:
+    """The engine serves its float32 folder as v0; a bf16 version (a trainer publishing
+    another dtype than the one served) is refused as incompatible, like a version of other
+    shapes, and the engine keeps v0 until a float32 version comes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(models["b"], bf16)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(bf16 / "model.safetensors")).items()}
+    save_file(tensors, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
+    run = s3_settings.run
+    with Bucket(s3_settings.bucket) as bucket:
+        async with Bus(s3_settings) as bus:
+            ckpt.publish_checkpoint(bucket, run, 1, bf16, step=1)
+            record = await eventually(lambda: refused(bus, 1), 30, "v1 in refused-versions")
+            assert record["by"] == "watcher" and record["reason"] == "incompatible", record
+            assert "weights are bfloat16, the engine serves float32" in str(record["detail"]), record
+            assert weight_version(engine) == "0"
+            ckpt.publish_checkpoint(bucket, run, 2, models["c"], step=2)
+            await eventually(lambda: weight_version(engine) == "2", 60, "the engine serving v2")
