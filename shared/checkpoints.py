@@ -18,7 +18,8 @@ refused, never installed wrong. Retention keeps every version a kept one builds 
     policies/<run>/v000042/manifest.json     CheckpointManifest
     policies/<run>/LATEST                    LatestPointer
     policies/<run>/RUN.json                  RunRecord: the run's base model (shared/runs.py)
-    trainer-state/<run>/…                    optimizer + step for resume
+    trainer-state/<run>/…                    each version's record; resume states (optimizer, RNG,
+                                             step) at their own cadence (docs/design.md#resume-and-rollback)
     evals/<run>/v000042/<suite>.json         EvalResult of each suite on that version
     samples/<run>/…                          archived samples
 

@@ -29,8 +29,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from services.trainer.checkpoint import ResumePoint, Snapshot, find_resume_point
+from services.trainer.checkpoint import Snapshot
 from services.trainer.rebase import Abandoned, LineageView, Rebase, decide
+from services.trainer.resume import ResumePoint, find_resume_point
 from services.trainer.step import TrainerBroken
 from shared.checkpoints import read_latest, set_latest
 from shared.errors import MalformedMessage, NextstateError, StoreError

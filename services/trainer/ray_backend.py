@@ -258,9 +258,9 @@ def lead(settings: TrainerSettings, stop: Any) -> None:
 def follow_rank0(cfg: TrainerConfig) -> None:
     """Ranks 1..N-1: the same model (rank 0's state sent over), then its shard of every step."""
     from services.trainer.build import build_trainer
-    from services.trainer.checkpoint import ResumePoint
     from services.trainer.ray_group import follow
     from services.trainer.ray_step import ShardedTrainer, sync_state
+    from services.trainer.resume import ResumePoint
 
     fresh = ResumePoint(version=0, step=0, next_version=1, consumed=[])
     trainer = ShardedTrainer(build_trainer(cfg, fresh))

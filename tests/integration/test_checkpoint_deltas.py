@@ -15,11 +15,11 @@ from services.trainer.build import build_trainer
 from services.trainer.checkpoint import (
     Chain,
     Publishing,
-    ResumePoint,
     commit_snapshot,
     take_snapshot,
 )
 from services.trainer.model import write_tokenizer
+from services.trainer.resume import ResumePoint
 from services.trainer.settings import TrainerConfig
 from shared.checkpoints import (
     download_checkpoint,
@@ -44,7 +44,7 @@ def samples(seed: int) -> list[TrainSample]:
         out.append(TrainSample(
             session_id="s", tokens=[rng.randrange(500) for _ in range(p + r)], response_length=r,
             loss_mask=[1] * r, reward=rng.choice([1.0, -1.0]),
-            rollout_logprobs=[-rng.uniform(1, 5) for _ in range(r)], temperature=0.8,
+            rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.8,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return out
 

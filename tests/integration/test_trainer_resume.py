@@ -1,4 +1,4 @@
-"""Resume degrades, never kills: a corrupt LATEST, a damaged version or trainer state is
+"""Resume degrades, never kills: a corrupt LATEST, a damaged version or its record is
 refused for the newest version that verifies (down to the base model), reported, and
 never numbered over. Real S3 (SeaweedFS), tiny models trained and committed for real."""
 
@@ -10,15 +10,10 @@ from pathlib import Path
 import pytest
 
 from services.trainer.build import build_trainer
-from services.trainer.checkpoint import (
-    STATE_TENSORS,
-    Refusal,
-    ResumePoint,
-    find_resume_point,
-    state_key,
-)
 from services.trainer.model import write_tokenizer
+from services.trainer.resume import Refusal, ResumePoint, find_resume_point
 from services.trainer.step import Trainer
+from services.trainer.trainer_state import STATE_META, state_key
 from shared.checkpoints import (
     latest_key,
     list_versions,
@@ -102,8 +97,8 @@ def test_a_damaged_latest_version_falls_back_to_the_previous_one(
         bucket.delete(version_prefix(run, 2) + SHARD)
     elif damage == "manifest":
         bucket.put_bytes(manifest_key(run, 2), b'{"truncated": ')
-    else:
-        bucket.put_bytes(state_key(run, 2, STATE_TENSORS), b"not a torch file")
+    else:  # the version's record (a damaged resume state only costs the optimizer: test_trainer_resume_state.py)
+        bucket.put_bytes(state_key(run, 2, STATE_META), b"not a record")
 
     resume = find_resume_point(bucket, run, tmp_path / "resume")
     assert (resume.version, resume.step, resume.consumed, resume.next_version) == (1, 1, ["b1"], 3)
@@ -120,7 +115,7 @@ def test_nothing_verifies_start_from_the_base_model_numbered_above_everything(
     run = s3_settings.run
     commit_versions(bucket, run, tiny_model, tmp_path, [1, 2])
     flip_a_byte(bucket, version_prefix(run, 2) + SHARD)
-    bucket.put_bytes(state_key(run, 1, STATE_TENSORS), b"garbage")
+    bucket.put_bytes(state_key(run, 1, STATE_META), b"garbage")
     bucket.put_bytes(version_prefix(run, 4) + SHARD, b"half-uploaded")
 
     resume = find_resume_point(bucket, run, tmp_path / "resume")

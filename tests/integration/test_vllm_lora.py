@@ -24,8 +24,9 @@ import torch
 
 from services.trainer.batching import collate
 from services.trainer.build import build_trainer
-from services.trainer.checkpoint import Publishing, ResumePoint, commit_snapshot, take_snapshot
+from services.trainer.checkpoint import Publishing, commit_snapshot, take_snapshot
 from services.trainer.model import window_logprobs
+from services.trainer.resume import ResumePoint
 from services.trainer.settings import TrainerConfig
 from services.trainer.step import Trainer
 from shared import checkpoints as ckpt

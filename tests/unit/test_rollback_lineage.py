@@ -6,9 +6,9 @@ from typing import Any, cast
 
 import pytest
 
-from services.trainer.checkpoint import ResumePoint, rebase_candidates
 from services.trainer.follow import Follower
 from services.trainer.rebase import Abandoned, LineageView, Rebase, decide, followed_at_start
+from services.trainer.resume import ResumePoint, rebase_candidates
 from shared.errors import MalformedMessage
 from shared.lineage import RebaseRecord, parse_record
 from shared.schemas import LatestPointer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.trainer.checkpoint import resume_candidates
+from services.trainer.resume import resume_candidates
 from shared.schemas import LatestPointer
 
 
