@@ -1,11 +1,15 @@
 """The whole loop on SmolLM2 with the gate, per weight hand-off: how fast users get what it learns.
 
-One arm per path, run one after the other on the same machine, model, traffic and gate:
+One arm per path (and per stale-sample rule, --rules tis,count: what fraction of the
+samples that reached the trainer trained, and the score it reached), run one after the
+other on the same machine, model, traffic and gate:
 
 - `full`:    `nextstate up --gate` (every version the whole model, fp32 on this CPU engine);
 - `adapter`: `nextstate up --gate --lora R` (every version a LoRA adapter loaded by name);
-- `bf16`:    `full` with `NEXTSTATE_TRAINER__PUBLISH_DTYPE=bfloat16` (the engine still serves
-             fp32 here: a CPU without bf16 instructions gains only the bytes).
+- `bf16`:    `full` with `NEXTSTATE_TRAINER__PUBLISH_DTYPE=bfloat16` and
+             `NEXTSTATE_WATCHER__SERVED_DTYPE=bfloat16`, which the watcher otherwise refuses
+             on a float32 base (the engine still serves fp32 here, casting each version: a
+             CPU without bf16 instructions gains only the bytes).
 
 Each arm starts its own stack (private home, Redis, SeaweedFS), runs `nextstate demo` for
 --minutes, then waits up to --tail seconds for the gate to decide on what was committed,
@@ -15,7 +19,7 @@ the gate's decision), the held-out demo score of the base, the best and the last
 served, the trainer's seconds per step and tokens/s. The baseline is the `full` arm of
 the same run: each other arm's figures are also printed as ratios of it.
 
-    python bench/loop.py [--minutes 15] [--paths full,adapter] [--lora 16] [--lr-full 1e-5] [--lr-adapter 1e-4]
+    python bench/loop.py [--minutes 15] [--paths full,adapter] [--rules tis,count] [--lora 16] [--lr-full 1e-5] [--lr-adapter 1e-4]
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def parse_log(text: str) -> dict[str, Any]:
     committed: dict[int, float] = {}
     loaded: dict[int, float] = {}
     steps: list[tuple[float, float]] = []  # (time, tokens/s)
+    # What became of the samples that reached the trainer (its step and drop lines).
+    fate = {"trained": 0, "stale": 0, "divergent": 0, "abandoned": 0}
     for line in text.splitlines():
         m = LINE.match(line)
         if not m:
@@ -66,9 +72,17 @@ def parse_log(text: str) -> dict[str, Any]:
             committed.setdefault(int(f["version"]), at)
         elif svc == "trainer" and msg.startswith("step ") and "tokens_per_s" in f:
             steps.append((at, float(f["tokens_per_s"])))
+            divergent = int(float(f.get("divergent_samples", "0").replace("None", "0")))
+            fate["trained"] += int(f.get("samples", "0")) - divergent
+            fate["divergent"] += divergent
+        elif svc == "trainer" and (msg.startswith("dropped stale samples") or "acked without training" in msg):
+            kind = "abandoned" if "abandoned" in msg else "stale"
+            fate[kind] += int(f.get("dropped") or f.get("samples") or 0)
+        elif svc == "trainer" and msg.startswith("dropped samples of an abandoned lineage"):
+            fate["abandoned"] += int(f.get("dropped", "0"))
         elif svc == "watcher" and msg.startswith("policy loaded") and f.get("version", "").isdigit():
             loaded.setdefault(int(f["version"]), at)
-    return {"committed": committed, "loaded": loaded, "steps": steps}
+    return {"committed": committed, "loaded": loaded, "steps": steps, "fate": fate}
 
 
 def ctl(stack: UpStack, *args: str, timeout: float = 120) -> str:
@@ -80,16 +94,28 @@ def ctl(stack: UpStack, *args: str, timeout: float = 120) -> str:
     return out.stdout
 
 
-def arm(path: str, args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
+# How the trainer treats stale samples (docs/methods.md#stale-samples): `tis`, today's
+# defaults (truncated importance weights, a divergence bound); `count`, the rule before it
+# (no weight, a sample more than 4 versions behind the weights dropped unless served).
+RULES: dict[str, dict[str, str]] = {
+    "tis": {},
+    "count": {"NEXTSTATE_TRAINER__IS_CORRECTION": "off", "NEXTSTATE_TRAINER__MAX_SAMPLE_KL": "",
+              "NEXTSTATE_TRAINER__MAX_STALENESS": "4"},
+}
+
+
+def arm(path: str, args: argparse.Namespace, model: Path, root: Path, rule: str = "tis") -> dict[str, Any]:
     flags = ["--gate", "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait)]
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(RULES[rule])
     if path == "adapter":
         flags += ["--lora", str(args.lora), "--lr", str(args.lr_adapter)]
     else:
         flags += ["--lr", str(args.lr_full)]
     if path == "bf16":
         env["NEXTSTATE_TRAINER__PUBLISH_DTYPE"] = "bfloat16"
-    stack = UpStack(model, root / path, run=f"loop-{path}", prefix=f"loop-{path}", args=flags, env=env)
+        env["NEXTSTATE_WATCHER__SERVED_DTYPE"] = "bfloat16"
+    name = path if rule == "tis" else f"{path}-{rule}"
+    stack = UpStack(model, root / name, run=f"loop-{name}", prefix=f"loop-{name}", args=flags, env=env)
     t0 = time.time()
     stack.start(timeout=900)
     up_s = time.time() - t0
@@ -111,7 +137,7 @@ def arm(path: str, args: argparse.Namespace, model: Path, root: Path) -> dict[st
         show = json.loads(ctl(stack, "eval", "show", "--json"))
     finally:
         stack.stop(timeout=120)
-    return summarise(path, up_s, t0, traffic_end, demo, log, show)
+    return summarise(name, up_s, t0, traffic_end, demo, log, show)
 
 
 def summarise(path: str, up_s: float, t0: float, traffic_end: float, demo: dict[str, Any],
@@ -129,6 +155,8 @@ def summarise(path: str, up_s: float, t0: float, traffic_end: float, demo: dict[
     served_versions = sorted(served)
     scored = {v: x for v in rows if (x := demo_score(v)) is not None}
     step_times = [at for at, _ in log["steps"] if at <= traffic_end]
+    fate = log["fate"]
+    reached = sum(fate.values())
     gaps = [b - a for a, b in itertools.pairwise(step_times)]
     return {
         "path": path, "up_s": round(up_s, 1),
@@ -139,6 +167,9 @@ def summarise(path: str, up_s: float, t0: float, traffic_end: float, demo: dict[
         "eval_lag_s": round(statistics.median(lag), 1) if lag else None,
         "step_s": round(statistics.median(gaps), 1) if gaps else None,
         "tokens_per_s": round(statistics.median(t for _, t in log["steps"]), 1) if log["steps"] else None,
+        "samples_reached_trainer": reached,
+        "trained_frac": round(fate["trained"] / reached, 4) if reached else None,
+        "samples_fate": fate,
         "demo_base": demo_score(0),
         "demo_best": max(scored.values()) if scored else None,
         "demo_last_served": demo_score(served_versions[-1]) if served_versions else None,
@@ -154,6 +185,7 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=15)
     p.add_argument("--tail", type=float, default=300, help="seconds to wait for the gate after the traffic")
     p.add_argument("--paths", default="full,adapter")
+    p.add_argument("--rules", default="tis", help="tis,count: each path under each stale-sample rule")
     p.add_argument("--lora", type=int, default=16)
     p.add_argument("--lr-full", type=float, default=1e-5)
     p.add_argument("--lr-adapter", type=float, default=1e-4)
@@ -166,13 +198,14 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="nextstate-loop-") as tmp:
         for path in args.paths.split(","):
-            r = arm(path, args, model, Path(tmp))
-            results.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "demo"}), flush=True)
+            for rule in args.rules.split(","):
+                r = arm(path, args, model, Path(tmp), rule)
+                results.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "demo"}), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     keys = ("versions_committed", "versions_served", "commit_to_served_s", "eval_lag_s", "step_s",
-            "tokens_per_s", "demo_base", "demo_best", "demo_last_served")
+            "tokens_per_s", "trained_frac", "demo_base", "demo_best", "demo_last_served")
     print("| path | " + " | ".join(keys) + " |")
     print("| --- " * (len(keys) + 1) + "|")
     base = results[0]

@@ -145,6 +145,13 @@ class Keys:
         return f"{self.prefix}:trainer-version"
 
     @property
+    def trainer_mismatch(self) -> str:
+        """Hash the trainer keeps (`nextstate status` reads it): the train/inference mismatch
+        over its last steps — `tokens`, `abs_log_ratio`, `outside_frac`, `alarm` (empty or 1),
+        `alarm_since`, `threshold`, `window_steps`, `updated_at` (services/trainer/mismatch.py)."""
+        return f"{self.prefix}:trainer-mismatch"
+
+    @property
     def run_owner(self) -> str:
         """JSON {run, at}: the run whose turns this prefix holds (set once by the buffer)."""
         return f"{self.prefix}:run"

@@ -41,7 +41,7 @@ CLIENT KILL/LIST, MONITOR...), SCAN/RANDOMKEY, Pub/Sub, EVAL or FUNCTION. Key na
 | | dead letters: XADD | `P:dead` (write only) |
 | trainer | consume group `trainer` (as the judge's) | `P:batches`, `P:done:trainer:*` |
 | | announce a version: XADD / SET | `P:checkpoints` / `P:trainer-version` (write only) |
-| | refused checkpoints: HSET | `P:refused-versions` (write only) |
+| | refused checkpoints, the train/inference mismatch: HSET | `P:refused-versions`, `P:trainer-mismatch` (write only) |
 | | the rebase to follow (`nextstate rollback`, the gate): GET | `P:lineage-base` (read only) |
 | | retention keeps what the promotion gate serves or has yet to decide: HGETALL | `P:gate-state` (read only) |
 | | dead letters: XADD | `P:dead` (write only) |
@@ -275,7 +275,7 @@ def grants(role: str, k: Keys) -> list[Grant]:
             *_consume(k, K.BATCHES, K.GROUP_TRAINER),
             Grant(("xadd",), _w(k.checkpoints)),
             Grant(("set",), _w(k.trainer_version)),
-            Grant(("hset",), _w(k.refused_versions)),
+            Grant(("hset",), _w(k.refused_versions, k.trainer_mismatch)),
             Grant(("get",), _r(k.lineage)),
             Grant(("hgetall",), _r(k.gate_state)),  # retention keeps what the gate needs
             _dead(k),

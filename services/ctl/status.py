@@ -67,8 +67,9 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     pipe.xrevrange(keys.evals, count=50)
     pipe.hgetall(keys.reward_alarm)
     pipe.hgetall(keys.archive_state)
+    pipe.hgetall(keys.trainer_mismatch)
     (watcher, refused, services, counts, parked, episodes, groups, waiting, experience, gate,
-     promos, evals, alarm, archive) = await pipe.execute()
+     promos, evals, alarm, archive, mismatch) = await pipe.execute()
     return {
         "prefix": keys.prefix,
         "streams": streams,
@@ -86,7 +87,34 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "sessions_waiting_experience": int(experience),
         "gate": gate_snapshot(dict(zip(GATE_FIELDS, gate, strict=True)), promos, evals, bus.settings.run),
         "rewards": rewards_snapshot(alarm),
+        "mismatch": mismatch_snapshot(mismatch),
     }
+
+
+def mismatch_snapshot(fields: dict[str, str]) -> dict[str, Any] | None:
+    """The trainer's train/inference mismatch over its last steps (`trainer-mismatch`,
+    services/trainer/mismatch.py); None before a step had a sample of its own version."""
+    if not fields.get("tokens"):
+        return None
+    since = fields.get("alarm_since") or ""
+    return {"tokens": int(float(fields["tokens"])), "abs_log_ratio": float(fields.get("abs_log_ratio") or 0),
+            "outside_frac": float(fields.get("outside_frac") or 0), "alarm": bool(fields.get("alarm")),
+            "alarm_since": float(since) if since else None, "threshold": float(fields.get("threshold") or 0),
+            "window_steps": int(fields.get("window_steps") or 0),
+            "updated_at": float(fields.get("updated_at") or 0) or None}
+
+
+def render_mismatch(snap: dict[str, Any]) -> list[str]:
+    m = snap.get("mismatch")
+    if not m:
+        return []
+    line = (f"train/inference mismatch: mean |log ratio| {m['abs_log_ratio']:.4f} over {m['tokens']} tokens "
+            f"of the trainer's own samples (last {m['window_steps']} steps), {m['outside_frac']:.1%} outside the clip")
+    if not m["alarm"]:
+        return [line]
+    age = f" for {time.time() - m['alarm_since']:.0f}s" if m.get("alarm_since") else ""
+    return [line, f"  MISMATCH ALARM{age}: past {m['threshold']}: the trainer and the engine disagree on the "
+                  "engine's own samples (docs/troubleshooting.md#the-trainer-and-the-engine-disagree)"]
 
 
 def rewards_snapshot(fields: dict[str, str]) -> dict[str, Any] | None:
@@ -290,6 +318,7 @@ def render(snap: dict[str, Any]) -> str:
     lines = render_versions(snap)
     lines.extend(render_gate(snap))
     lines.extend(render_rewards(snap))
+    lines.extend(render_mismatch(snap))
     lines.append(f"turns waiting for their next state: {snap.get('turns_waiting_next_state', 0)}")
     if snap.get("sessions_waiting_experience"):  # experiential learning (services/judge/replay.py)
         lines.append(f"sessions whose turns wait for their experience: {snap['sessions_waiting_experience']}")

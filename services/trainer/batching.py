@@ -33,6 +33,7 @@ class MicroBatch:
     rewards: torch.Tensor  # (B,) float
     temperature: torch.Tensor  # (B,) float
     real_tokens: int  # unpadded tokens the forward reads
+    policy_version: torch.Tensor | None = None  # (B,) long: the version that sampled each sample
     # The teacher's top-K (opd_topk); None when no sample has one. Rows of samples without
     # one, padding, and K narrower than the widest: id 0, log-prob -inf (not in the set).
     teacher_topk_ids: torch.Tensor | None = None  # (B, W, K) long
@@ -121,6 +122,7 @@ def collate(
         rewards=torch.tensor([float(s.reward) for s in samples], device=dev),
         temperature=torch.tensor([float(s.temperature) for s in samples], device=dev),
         real_tokens=sum(lengths),
+        policy_version=torch.tensor([int(s.policy_version) for s in samples], device=dev),
         teacher_topk_ids=None if topk_ids is None else topk_ids.to(dev),
         teacher_topk_logprobs=None if topk_lp is None else topk_lp.to(dev),
         has_topk=None if has_topk is None else has_topk.to(dev),

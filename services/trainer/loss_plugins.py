@@ -50,6 +50,11 @@ class LossConfig:
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     kl_beta: float = 0.02
+    # Off-policy correction (services/trainer/offpolicy.py): tis weighs each token's term by
+    # min(π_old/π_b, is_cap) and takes the ratio against π_old; off: the ratio against π_b.
+    is_correction: str = "tis"
+    is_cap: float = 2.0
+    max_sample_kl: float | None = None  # samples more divergent than this are not trained (None: all train)
     loss: str | None = None  # a registered name or module:function; None: `mode`'s built-in
     options: Mapping[str, Any] = field(default_factory=dict)  # NEXTSTATE_TRAINER__LOSS_OPTIONS
 
@@ -70,7 +75,9 @@ class LossInputs:
     logits: torch.Tensor  # (B, W, V) the policy's raw logits (with gradient)
     temperature: torch.Tensor  # (B,) log-probs are at this T (losses.logprob_temperature)
     logprobs: torch.Tensor  # (B, W) log-probs of `targets` at T (with gradient)
-    old_logprobs: torch.Tensor  # (B, W) behaviour log-probs (the current ones, detached, if none)
+    # (B, W) the ratio's denominator: with IS_CORRECTION=tis the trainer's own log-probs before
+    # this step (detached), else the behaviour log-probs (the current ones, detached, if none)
+    old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None  # (B, W) the frozen reference's; None when kl_beta = 0
     teacher_logprobs: torch.Tensor  # (B, W) 0 where `has_teacher` is False
     has_teacher: torch.Tensor  # (B,) bool
@@ -80,6 +87,9 @@ class LossInputs:
     teacher_topk_ids: torch.Tensor | None = None  # (B, W, K) long; None: no sample has them
     teacher_topk_logprobs: torch.Tensor | None = None  # (B, W, K)
     has_topk: torch.Tensor | None = None  # (B,) bool
+    # (B, W) truncated importance weights min(π_old/π_b, C), detached; None: IS_CORRECTION=off
+    is_weights: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None  # (B, W) the engine's (= old_logprobs when off)
 
 
 LossFn = Callable[[LossInputs, LossConfig], tuple[torch.Tensor, Metrics]]
@@ -90,7 +100,7 @@ def clipped_with_kl(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, 
     return losses.policy_loss(
         inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask,
         eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, kl_beta=cfg.kl_beta,
-        ref_logprobs=inputs.ref_logprobs, num_tokens=inputs.num_tokens,
+        ref_logprobs=inputs.ref_logprobs, num_tokens=inputs.num_tokens, weights=inputs.is_weights,
     )  # fmt: skip
 
 

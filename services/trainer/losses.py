@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from services.trainer.logprobs import chunked_token_logprobs
+
 Metrics = dict[str, torch.Tensor]
 
 GREEDY_EPS = 1e-6  # temperatures below this are greedy decoding: log-probs at T = 1
@@ -35,14 +37,12 @@ def logprob_temperature(temperature: torch.Tensor) -> torch.Tensor:
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
 ) -> torch.Tensor:
-    """log_softmax(logits / T) gathered at `targets`, in float32.
+    """log_softmax(logits / T) gathered at `targets`, in float32, a chunk of positions at a
+    time: no fp32 copy of the whole logits, forward or backward (services/trainer/logprobs.py).
 
     logits (B, T, V) any float dtype; targets (B, T) long; temperature (B,) -> (B, T)
     """
-    t = logprob_temperature(temperature.float()).to(logits.device)
-    scaled = logits.float() / t[:, None, None]  # (B, T, V)
-    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    return picked - torch.logsumexp(scaled, dim=-1)
+    return chunked_token_logprobs(logits, targets, logprob_temperature(temperature.float()))
 
 
 def token_count(mask: torch.Tensor) -> torch.Tensor:
@@ -144,12 +144,15 @@ def clipped_pg_loss(
     eps_clip: float,
     eps_clip_high: float,
     num_tokens: torch.Tensor | float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate with asymmetric bounds [1 - eps_clip, 1 + eps_clip_high].
 
-    logprobs (B, T) with gradient; old_logprobs (behaviour), advantages, mask (B, T).
-    A token is clipped when the clipped branch wins the min strictly: then it passes no
-    gradient (ratio above 1+ε_high with A > 0, or below 1-ε with A < 0).
+    logprobs (B, T) with gradient; old_logprobs (the ratio's denominator), advantages,
+    mask (B, T). A token is clipped when the clipped branch wins the min strictly: then it
+    passes no gradient (ratio above 1+ε_high with A > 0, or below 1-ε with A < 0).
+    `weights` (B, T), detached: per-token importance weights multiplying each token's term
+    (truncated IS against the behaviour policy, `is_weights`); None: 1.
     """
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # (B, T)
@@ -157,6 +160,8 @@ def clipped_pg_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)  # (B, T)
+    if weights is not None:
+        per_token = per_token * weights.detach()
     loss = masked_mean(per_token, mask, num_tokens)
     metrics = {
         "pg_loss": loss.detach(),
@@ -178,13 +183,16 @@ def policy_loss(
     kl_beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: torch.Tensor | float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """Token-mean of the clipped surrogate plus β·k3 KL to the reference; no entropy term.
+    """Token-mean of the (importance-weighted) clipped surrogate plus β·k3 KL to the
+    reference; no entropy term.
 
-    All (B, T). `ref_logprobs` is required when `kl_beta` > 0 and ignored otherwise.
+    All (B, T). `ref_logprobs` is required when `kl_beta` > 0 and ignored otherwise;
+    `weights` weigh the surrogate only (the KL is to the reference, not a policy-gradient).
     """
     pg, metrics = clipped_pg_loss(
-        logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip_high, num_tokens
+        logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip_high, num_tokens, weights
     )
     loss = pg
     if kl_beta > 0:

@@ -22,6 +22,24 @@ STEP_GAUGES = {
         "tokens_per_s": "Tokens (prompt + response) per second of the last step",
         "step_seconds": "Wall time of the last optimizer step",
         "grad_norm": "Global gradient norm before clipping",
+        "mismatch_abs_log_ratio": "Mean |log π_trainer/π_engine| before the step, over samples of the "
+                                  "trainer's own version (the train/inference mismatch)",
+        "mismatch_outside_frac": "Fraction of those tokens whose ratio is outside [1-ε, 1+ε_high]",
+        "is_weight_mean": "Mean truncated importance weight min(π_trainer/π_engine, C) of trained tokens",
+        "is_truncated_frac": "Fraction of trained tokens whose importance weight was truncated at C",
+    }.items()
+}
+MISMATCH_ALARM = Gauge(
+    "nextstate_trainer_mismatch_alarm",
+    "1 while the mean |log ratio| of the trainer's own samples over its last steps is past "
+    "NEXTSTATE_TRAINER__MISMATCH_ALARM",
+)
+SAMPLE_COUNTS = {
+    name: Counter(f"nextstate_trainer_{name}_total", doc)
+    for name, doc in {
+        "offpolicy_samples": "Samples trained from an older version than the trainer's (importance-weighted)",
+        "truncated_samples": "Samples with at least one token's importance weight truncated at IS_CAP",
+        "divergent_samples": "Samples not trained: further from the trainer than MAX_SAMPLE_KL",
     }.items()
 }
 STEPS = Counter("nextstate_trainer_steps_total", "Optimizer steps taken")
@@ -69,7 +87,7 @@ COMMIT_SECONDS = Histogram(
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 SNAPSHOT_SECONDS = Histogram(
-    "nextstate_trainer_snapshot_seconds", "Copying weights and optimizer state off the trainer",
+    "nextstate_trainer_snapshot_seconds", "Copying a version's weights (and, when due, the resume state) off the trainer",
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 
@@ -84,12 +102,25 @@ VERSION_BYTES = Histogram(
     ["format", "stored"],  # format: full | adapter; stored: whole | delta
     buckets=(1e5, 1e6, 1e7, 3e7, 1e8, 3e8, 1e9, 3e9, 1e10, 3e10),
 )
+RESUME_STATES = Counter(
+    "nextstate_trainer_resume_states_total",
+    "Resume states (optimizer, RNG, step) written, every RESUME_EVERY versions or RESUME_EVERY_S seconds",
+)
+RESUME_FAILURES = Counter(
+    "nextstate_trainer_resume_state_failures_total", "Resume states not written (the bucket refused)"
+)
+RESUME_SECONDS = Histogram(
+    "nextstate_trainer_resume_state_seconds", "Writing + uploading one resume state (no commit waits for it)",
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
 
 
 def observe_step(metrics: Mapping[str, float]) -> None:
     for name, gauge in STEP_GAUGES.items():
         if name in metrics:
             gauge.set(metrics[name])
+    for name, counter in SAMPLE_COUNTS.items():
+        counter.inc(metrics.get(name, 0.0))
     STEPS.inc()
     TOKENS.inc(metrics.get("tokens", 0.0))
     if metrics.get("skipped_step"):

@@ -26,6 +26,7 @@ import torch
 
 from services.trainer.batching import MicroBatch
 from services.trainer.losses import token_logprobs
+from shared.dtypes import folder_dtype
 from shared.errors import NextstateError
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def publish_dtype(name: str) -> torch.dtype | None:
-    """The published weights' dtype for NEXTSTATE_TRAINER__PUBLISH_DTYPE (None, for auto: the
-    trainer's own)."""
-    return None if name == "auto" else resolve_dtype(name, torch.device("cpu"))
+def publish_dtype(name: str, base_model: str | Path | None = None) -> torch.dtype | None:
+    """The published weights' dtype for NEXTSTATE_TRAINER__PUBLISH_DTYPE: as named, or for
+    auto the dtype served — `base_model`'s folder's, which the engine serves as v0
+    (shared/dtypes.py), so v0 and every version have one dtype. None (the trainer's own)
+    when the folder names none the trainer can write."""
+    served = folder_dtype(Path(base_model)) if base_model is not None else None
+    if name != "auto":
+        chosen = resolve_dtype(name, torch.device("cpu"))
+        if served is not None and name != served:
+            log.warning("publishing %s while the engine serves %s's %s as v0: the watcher refuses these "
+                        "versions unless NEXTSTATE_WATCHER__SERVED_DTYPE=%s (an engine that casts what it "
+                        "loads)", name, base_model, served, name)
+        return chosen
+    if served is None or served not in ("float32", "bfloat16", "float16"):
+        if base_model is not None:
+            log.warning("%s does not say its weights' dtype in one the trainer writes (%s): versions are "
+                        "published in the trainer's own", base_model, served)
+        return None
+    return resolve_dtype(served, torch.device("cpu"))
 
 
 def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:

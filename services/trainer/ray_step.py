@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.trainer import offpolicy
 from services.trainer.step import Trainer, TrainerBroken, batch_tokens
 from shared.errors import NextstateError
 from shared.schemas import TrainSample
@@ -40,7 +41,10 @@ from shared.schemas import TrainSample
 log = logging.getLogger(__name__)
 
 # The per-micro-batch sums `Trainer.accumulate` reports (all normalised by the batch's tokens).
-METRIC_KEYS = ("loss", "pg_loss", "kl", "clip_frac", "ratio_mean", "adv_mean", "tokens")
+# The off-policy counts and mismatch sums add up too (their extremes, min and max, are
+# rank 0's alone: a sum of extremes means nothing).
+METRIC_KEYS = ("loss", "pg_loss", "kl", "clip_frac", "ratio_mean", "adv_mean", "tokens",
+               *offpolicy.COUNT_KEYS, *offpolicy.SUM_KEYS[:3])
 BUCKET_BYTES = 64 << 20  # gradient all-reduce granularity
 
 
@@ -137,7 +141,7 @@ class ShardedTrainer(Trainer):
         )  # fmt: skip
 
     def accumulate(
-        self, samples: Sequence[TrainSample], num_tokens: float | None = None
+        self, samples: Sequence[TrainSample], num_tokens: float | None = None, version: int | None = None
     ) -> dict[str, float]:
         """This rank's shard forward + backward, then the group's sum of gradients and metrics."""
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -146,7 +150,7 @@ class ShardedTrainer(Trainer):
         failure: Exception | None = None
         local: dict[str, float] = {}
         try:
-            local = super().accumulate(mine, total)
+            local = super().accumulate(mine, total, version)
         except Exception as exc:  # told to the others below, then raised
             failure = exc
         used = [p.grad is not None for p in self.params]

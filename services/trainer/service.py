@@ -5,7 +5,7 @@
           └──── ack once the version holding the batch is committed ◀──────── in version order)
 
 Why an in-process upload lane and not an rq job: a commit needs the snapshot the trainer
-just took (weights, optimizer state); an rq worker would need that on a shared disk or
+just took (its weights); an rq worker would need that on a shared disk or
 shipped through Redis, and versions must commit strictly in order. One background lane
 gives the same property — the next step never waits on the bucket — with ordering by
 construction, and a crash loses nothing that is not replayed: a batch is acked only
@@ -27,6 +27,11 @@ the abandoned versions are not trained (a batch left with none is acked untraine
 counted). If a commit of the abandoned lineage moved LATEST before the rollback was seen,
 LATEST is put back on K. With another backend (Ray: every rank holds the weights) a
 rebase stops the service instead, and the restart resumes from the rollback.
+
+A version is weights only. The resume state (optimizer, RNG, step) is taken with every
+RESUME_EVERY-th version, with the first after RESUME_EVERY_S seconds (or then, while idle),
+and on a clean stop; a third lane writes it once its version is committed, so no commit
+waits for it (services/trainer/trainer_state.py).
 """
 
 from __future__ import annotations
@@ -52,11 +57,8 @@ from services.trainer import metrics as M
 from services.trainer.checkpoint import (
     Chain,
     Publishing,
-    ResumePoint,
     Snapshot,
-    apply_point,
     commit_snapshot,
-    find_resume_point,
     take_snapshot,
 )
 from services.trainer.follow import (
@@ -66,10 +68,13 @@ from services.trainer.follow import (
     restore_latest,
     startup_record,
 )
+from services.trainer.mismatch import MismatchWatch
 from services.trainer.model import publish_dtype
 from services.trainer.rebase import followed_at_start
+from services.trainer.resume import ResumePoint, apply_point, find_resume_point
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Trainer, TrainerBroken
+from services.trainer.trainer_state import Cadence, ResumeLane, take_resume_state
 from shared import keys as K
 from shared.checkpoints import manifest_key
 from shared.consumer import Consumer, Delivery, consumer_name, stop_on_signals
@@ -165,9 +170,14 @@ class TrainerService:
         self.format: WeightFormat = "adapter" if self.cfg.lora and self.cfg.lora_publish == "adapter" else "full"
         self.publishing = Publishing(
             base_model=self.cfg.model, base_fingerprint=base_fingerprint,
-            dtype=publish_dtype(self.cfg.publish_dtype), snapshot_every=self.cfg.snapshot_every,
+            dtype=publish_dtype(self.cfg.publish_dtype, self.cfg.model), snapshot_every=self.cfg.snapshot_every,
             keep=self.cfg.keep_versions)
         self.chain: Chain | None = None
+        # The resume state: its own cadence and lane (services/trainer/trainer_state.py).
+        self.ancestry = list(resume.ancestors)  # self.version's lineage below it, oldest first
+        self.resume_lane = ResumeLane(bucket, settings.run, work_dir,
+                                      Cadence(self.cfg.resume_every, self.cfg.resume_every_s), resume.version)
+        self.mismatch = MismatchWatch(self.cfg.mismatch_alarm)
         M.VERSION.set(resume.version)
 
     # -- the consumer's handler -------------------------------------------------------------------
@@ -204,7 +214,7 @@ class TrainerService:
     async def train_loop(self) -> None:
         broken: TrainerBroken | None = None
         while True:
-            item = await self.queue.get()
+            item = await self._next_item()
             if item is None or self.stopping.is_set():
                 self._hand_back(item if isinstance(item, TrainBatch) else None)
                 break
@@ -251,7 +261,13 @@ class TrainerService:
                 "loss": round(metrics.get("loss", 0.0), 6), "grad_norm": round(metrics["grad_norm"], 4),
                 "clip_frac": round(metrics.get("clip_frac", 0.0), 4),
                 "staleness_max": metrics.get("staleness_max"),
+                # what the off-policy correction did to this batch (services/trainer/offpolicy.py)
+                "offpolicy_samples": metrics.get("offpolicy_samples"),
+                "truncated_samples": metrics.get("truncated_samples"),
+                "divergent_samples": metrics.get("divergent_samples"),
+                "mismatch": metrics.get("mismatch_abs_log_ratio"),
                 "tokens_per_s": round(metrics["tokens_per_s"], 1)})
+            await self.watch_mismatch(metrics)
             if len(self.window) >= self.cfg.checkpoint_every and self.follow.pending is None:
                 await self.snapshot()
         if self.window and self.follow.pending is None:
@@ -259,10 +275,35 @@ class TrainerService:
         elif self.window:  # trained on a lineage a rollback abandoned: replayed after the restart
             self._hand_back_ids(self.window)
             self.window, self.window_metrics = [], []
+        elif self.follow.pending is None and self.resume_lane.due(final=True):
+            await self._take_resume()  # stopping: the resume state of the last version
         self._hand_back_queued()
         await self.uploads.put(None)
         if broken is not None:
             raise broken
+
+    async def watch_mismatch(self, metrics: dict[str, float]) -> None:
+        """Feed the step's mismatch figures to the alarm; warn when it goes off or clears, and
+        keep `trainer-mismatch` for `nextstate status` (Redis away: the log and gauge still say)."""
+        was = self.mismatch.since is not None
+        state = self.mismatch.observe(metrics)
+        if state is None:
+            return
+        M.MISMATCH_ALARM.set(1.0 if state.alarm else 0.0)
+        extra = {"abs_log_ratio": round(state.abs_log_ratio, 5), "outside_frac": round(state.outside_frac, 4),
+                 "tokens": state.tokens, "threshold": self.cfg.mismatch_alarm}
+        if state.alarm and not was:
+            log.warning("train/inference mismatch: the trainer's log-probs of the engine's own samples "
+                        "differ by %.3f on average (alarm at %s); see docs/troubleshooting.md"
+                        "#the-trainer-and-the-engine-disagree", state.abs_log_ratio, self.cfg.mismatch_alarm,
+                        extra=extra)
+        elif was and not state.alarm:
+            log.info("train/inference mismatch back under the alarm", extra=extra)
+        try:
+            await self.bus.redis.hset(self.bus.keys.trainer_mismatch,
+                                      mapping=state.fields(self.cfg.mismatch_alarm, self.mismatch.window))
+        except RedisError as exc:
+            log.warning("mismatch state not written", extra={"error": str(exc)})
 
     def _own_lineage(self, batch: TrainBatch, fut: asyncio.Future[None]) -> list[TrainSample]:
         """The batch's samples not generated by a version a rollback abandoned. A batch left
@@ -285,15 +326,16 @@ class TrainerService:
 
     async def _fresh(self, batch: TrainBatch, samples: list[TrainSample],
                      fut: asyncio.Future[None]) -> list[TrainSample]:
-        """The samples to train: none more than MAX_STALENESS versions behind the weights
-        about to train on them, unless the policy users get now generated it. Off-policy
-        beyond that, the clipped ratio keeps little of a sample's signal and training on it
-        only drifts — a trainer behind its traffic, chewing its backlog after the traffic
-        stopped. The served policy's own samples are the freshest there are: dropping
-        them would stall a trainer whose versions the gate has not promoted yet. A batch
-        left with none is acked untrained (counted, logged)."""
+        """The samples to train. By default all: a stale sample trains under its truncated
+        importance weight, and one too far from the trainer's policy is masked out in the
+        step itself (MAX_SAMPLE_KL, services/trainer/offpolicy.py) — feedback is the scarce
+        resource. With MAX_STALENESS set, none more than that many versions behind the
+        weights about to train on them, unless the policy users get now generated it (the
+        served policy's own samples are the freshest there are: dropping them would stall a
+        trainer whose versions the gate has not promoted yet). A batch left with none is
+        acked untrained (counted, logged)."""
         limit = self.cfg.max_staleness
-        if all(self.behind(s.policy_version) <= limit for s in samples):
+        if limit is None or all(self.behind(s.policy_version) <= limit for s in samples):
             return samples
         serving = await self.serving()
         fresh = [s for s in samples if self.behind(s.policy_version) <= limit or s.policy_version >= serving]
@@ -350,6 +392,25 @@ class TrainerService:
             item = self.queue.get_nowait()
             self._hand_back(item if isinstance(item, TrainBatch) else None)
 
+    async def _next_item(self) -> TrainBatch | _Wake | None:
+        """The FIFO's next item. While it is empty and nothing was trained since the last
+        version, a resume state falling due by time is taken (of that version)."""
+        while True:
+            if not self.queue.empty():
+                return self.queue.get_nowait()
+            idle = not self.window and self.follow.pending is None
+            try:
+                return await asyncio.wait_for(self.queue.get(), self.resume_lane.idle_wait() if idle else None)
+            except TimeoutError:
+                if self.follow.pending is None and self.resume_lane.due():
+                    await self._take_resume()
+
+    async def _take_resume(self) -> None:
+        """The resume state of `self.version` (nothing trained since), written once committed."""
+        state = await asyncio.to_thread(take_resume_state, self.trainer, self.version, self.step,
+                                        self.follow.epoch)
+        self.resume_lane.hold(state)
+
     async def snapshot(self) -> None:
         epoch = self.follow.epoch  # the lineage these weights belong to, whatever is decided meanwhile
         waited = time.perf_counter()
@@ -360,8 +421,14 @@ class TrainerService:
         snap = await asyncio.to_thread(
             take_snapshot, self.trainer, version, self.step, self.window, self.lineage.list(),
             M.average(self.window_metrics), parent=self.version, epoch=epoch, fmt=self.format,
+            ancestors=self.ancestry,
         )  # fmt: skip
+        self.resume_lane.cadence.made()
+        if self.resume_lane.due(final=self.stopping.is_set()):
+            self.resume_lane.hold(await asyncio.to_thread(take_resume_state, self.trainer, version,
+                                                          self.step, epoch))
         M.SNAPSHOT_SECONDS.observe(time.perf_counter() - started)
+        self.ancestry = snap.ancestors
         self.version = version
         self.since.append(version)
         self.window, self.window_metrics = [], []
@@ -399,6 +466,7 @@ class TrainerService:
                 for batch_id in snap.batch_ids:
                     self.committed.add(batch_id)
                 self._resolve(snap.batch_ids)
+                self.resume_lane.committed(snap.version, snap.epoch)
             self.unsettled -= 1
             if self.unsettled == 0:
                 self.settled.set()
@@ -471,6 +539,8 @@ class TrainerService:
         decision = self.follow.pending
         assert decision is not None
         await self.settled.wait()  # every snapshot of the old lineage committed or dropped
+        self.resume_lane.abandoned()
+        await self.resume_lane.idle()  # a resume state being written lands before K's is looked for
         again = [self.batches[i] for i in [*self.orphans, *self.window] if i in self.batches]
         self.orphans, self.window, self.window_metrics = [], [], []
         self._put_back_first([*again, *held])
@@ -489,6 +559,8 @@ class TrainerService:
             shutil.rmtree(self.work_dir / "rebase", ignore_errors=True)
         self.step, self.version, self.committed_version = point.step, point.version, point.version
         self.origin, self.since = point.version, []
+        self.ancestry = list(point.ancestors)
+        self.resume_lane.rebased(point.version, self.follow.epoch)
         self.chain = None  # the next version is a full snapshot
         self.next_version = max(self.next_version, point.next_version)
         self.lineage = RecentIds(point.consumed, self.cfg.remember_batches)
@@ -500,7 +572,7 @@ class TrainerService:
                     decision.base, decision.by, self.next_version, point.version, extra={
                         "base": point.version, "asked": decision.base, "by": decision.by, "step": self.step,
                         "next_version": self.next_version, "abandoned": [point.version + 1, last_used],
-                        "batches_again": len(again)})
+                        "batches_again": len(again), "optimizer_from": point.resumed})
         await report_refusals(self.bus, point)
         await restore_latest(self.bucket, self.settings.run, decision.base, last_used)
 
@@ -532,8 +604,10 @@ class TrainerService:
     # -- life --------------------------------------------------------------------------------------------
     async def run(self, consumer: Consumer[TrainBatch]) -> None:
         """Train until `stop()` (or a worker fails); commit what was trained; hand back the rest."""
-        workers = [asyncio.create_task(self.train_loop(), name="train"),
-                   asyncio.create_task(self.upload_loop(), name="upload")]
+        upload = asyncio.create_task(self.upload_loop(), name="upload")
+        upload.add_done_callback(lambda _: self.resume_lane.close())  # no commit after it: none to write
+        workers = [asyncio.create_task(self.train_loop(), name="train"), upload,
+                   asyncio.create_task(self.resume_lane.run(), name="resume")]
 
         def on_done(task: asyncio.Task[None]) -> None:
             if not task.cancelled() and task.exception() is not None:
@@ -630,7 +704,8 @@ async def run(settings: TrainerSettings, hooks: Hooks | None = None) -> None:
             stack.push_async_callback(_cancel, stop_task)
         ready["service"] = service
         log.info("training", extra={"run": settings.run, "version": resume.version,
-                                    "next_version": resume.next_version, "step": resume.step})
+                                    "next_version": resume.next_version, "step": resume.step,
+                                    "optimizer_from": resume.resumed})
         await service.run(consumer)
         if service.failed is not None:
             raise service.failed
@@ -643,10 +718,14 @@ async def report_refusals(bus: Bus, resume: ResumePoint) -> None:
     origin = f"v{resume.version}" if resume.version else "the base model"
     records: dict[str, str] = {}
     for r in resume.refused:
-        name = "LATEST" if r.version is None else str(r.version)
+        if r.version is None:
+            name, what = "LATEST", "the LATEST pointer"
+        elif r.reason == "resume":  # a resume state refused is not a version refused: a key of its own
+            name, what = f"resume-v{r.version}", f"the resume state of v{r.version}"
+        else:
+            name, what = str(r.version), f"v{r.version}"
         M.REFUSED_VERSIONS.labels(r.reason).inc()
-        log.error("refused %s (%s); training resumes from %s",
-                  "the LATEST pointer" if r.version is None else f"v{r.version}", r.reason, origin,
+        log.error("refused %s (%s); training resumes from %s", what, r.reason, origin,
                   extra={"version": name, "reason": r.reason, "detail": r.detail[:500],
                          "resumed_from": resume.version})
         records[name] = json.dumps({"by": "trainer", "reason": r.reason, "detail": r.detail[:2000], "at": now})

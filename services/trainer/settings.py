@@ -11,17 +11,32 @@
                                                  opd_topk | a plugin module:function (loss_plugins.py)
     NEXTSTATE_TRAINER__LOSS_OPTIONS={}           a JSON object handed to the loss (LossConfig.options)
     NEXTSTATE_TRAINER__MICRO_BATCH_TOKENS=8192   padded tokens per forward; gradients accumulate
+    NEXTSTATE_TRAINER__GRADIENT_CHECKPOINTING=auto  recompute layers in the backward (auto: above 3B
+                                                 parameters, or when the memory plan needs it; fit.py)
+    NEXTSTATE_TRAINER__REFERENCE_OFFLOAD=auto    the KL reference's layers on the CPU, streamed in (auto:
+                                                 when a resident copy would not fit; reference.py)
     NEXTSTATE_TRAINER__CHECKPOINT_EVERY=1        publish a version every K optimizer steps
-    NEXTSTATE_TRAINER__MAX_STALENESS=4           a sample more versions behind the weights being
-                                                 trained than this is not trained, unless users get
-                                                 its version now (a batch left with none is acked
-                                                 untrained): when traffic stops, the trainer stops
-                                                 within a few versions instead of drifting on the
-                                                 leftovers
+    NEXTSTATE_TRAINER__IS_CORRECTION=tis         tis: each token's term weighted by min(π_old/π_b, IS_CAP),
+                                                 the ratio against π_old (stale samples and the
+                                                 train/inference mismatch corrected); off: the ratio
+                                                 against the behaviour π_b (docs/methods.md)
+    NEXTSTATE_TRAINER__IS_CAP=2.0                NEXTSTATE_TRAINER__MAX_SAMPLE_KL=1.0 (a sample whose
+                                                 behaviour is further from the trainer is not trained)
+    NEXTSTATE_TRAINER__MISMATCH_ALARM=0.05       mean |log π_old/π_b| of samples from the trainer's own
+                                                 version past which status, metric and log warn
+    NEXTSTATE_TRAINER__MAX_STALENESS=            unset: no bound by version count (MAX_SAMPLE_KL bounds
+                                                 what trains); N: a sample more than N versions behind
+                                                 is not trained unless users get its version now
+    NEXTSTATE_TRAINER__MASTER_WEIGHTS=auto       fp32 master weights and optimizer state for a model
+                                                 trained in bf16/fp16 (auto: when its dtype is not fp32)
     NEXTSTATE_TRAINER__KEEP_VERSIONS=3           versions (and trainer states) kept in the bucket
+    NEXTSTATE_TRAINER__RESUME_EVERY=10           the resume state (optimizer, RNG, step) every K versions,
+    NEXTSTATE_TRAINER__RESUME_EVERY_S=600        or T seconds after the last, and on a clean stop;
+                                                 a version never waits for it (trainer_state.py)
     NEXTSTATE_TRAINER__LORA=false                LORA_RANK=16 LORA_ALPHA=32; LORA_PUBLISH=adapter: each
                                                  version is the PEFT adapter (merged: full weights)
-    NEXTSTATE_TRAINER__PUBLISH_DTYPE=auto        the published weights' dtype (auto: the trainer's)
+    NEXTSTATE_TRAINER__PUBLISH_DTYPE=auto        the published weights' dtype (auto: the dtype served,
+                                                 the base model folder's: v0's)
     NEXTSTATE_TRAINER__SNAPSHOT_EVERY=1          K > 1: deltas between full snapshots every K versions
     NEXTSTATE_TRAINER__DEVICE=auto               NEXTSTATE_TRAINER__DTYPE=auto (bf16 on GPU, fp32 on CPU)
     NEXTSTATE_TRAINER__HOST=127.0.0.1            NEXTSTATE_TRAINER__PORT=9103  (/healthz /readyz /metrics)
@@ -73,20 +88,57 @@ class TrainerConfig(BaseModel):
     kl_beta: float = Field(0.02, ge=0, description="weight of the k3 KL to the reference (0: no reference model)")
     # -- batching and checkpoints ---------------------------------------------------------------
     micro_batch_tokens: int = Field(8192, ge=16, description="padded tokens per micro-batch")
+    # -- memory (services/trainer/fit.py, memory.py; docs/methods.md#memory) ------------------------
+    gradient_checkpointing: Literal["auto", "true", "false"] = Field(
+        "auto", description="activation checkpointing: recompute each layer in the backward instead of "
+        "keeping its activations (about a third more compute). auto: on above 3B parameters, or when "
+        "the memory plan does not fit the device without it")
+    reference_offload: Literal["auto", "true", "false"] = Field(
+        "auto", description="full fine-tuning with KL_BETA > 0: keep the frozen KL reference's layers "
+        "on the CPU and stream them onto the device for each forward, instead of a second resident "
+        "model. auto: only when the memory plan does not fit with it resident")
     checkpoint_every: int = Field(1, ge=1, description="optimizer steps per published version")
     keep_versions: int = Field(3, ge=1)
+    # The resume state is 2x a bf16 version's bytes with AdamW in bf16 (Qwen3-4B: 16 GB beside
+    # 8 GB of weights), 6x with fp32 masters and moments (48 GB); every 10th version adds a fifth
+    # (or 60 %) to what versions upload instead of 2x (6x), and a crash costs at most 10
+    # versions' (or 10 minutes') optimizer history — never weights or feedback
+    # (docs/design.md#resume-and-rollback).
+    resume_every: int = Field(
+        10, ge=1, le=1000, description="write the resume state (optimizer state, RNG, step; with LoRA "
+        "the adapter) with every K-th version; a version's commit never waits for it (at most 1000: "
+        "the ancestors a version's record lists)")
+    resume_every_s: float = Field(
+        600.0, gt=0, description="... or with the first version T seconds after the last one (an idle "
+        "trainer writes it then, if a version was made since); and always on a clean stop")
     max_pending_uploads: int = Field(
         2, ge=1, description="versions uploading while training goes on; then training waits"
     )
     remember_batches: int = Field(10_000, ge=100, description="consumed batch ids kept for replays")
-    max_staleness: int = Field(
-        4, ge=0, description="versions a sample may be behind the weights it trains (older: dropped, "
-        "unless its version is the one served)")
+    max_staleness: int | None = Field(
+        None, ge=0, description="versions a sample may be behind the weights it trains (older: dropped, "
+        "unless its version is the one served); unset: no bound by count, MAX_SAMPLE_KL decides")
+    # -- off-policy correction and the train/inference mismatch (services/trainer/offpolicy.py) ------
+    is_correction: Literal["tis", "off"] = Field(
+        "tis", description="tis: truncated importance sampling against the behaviour policy, the "
+        "ratio against the trainer's own log-probs; off: the ratio against the behaviour's")
+    is_cap: float = Field(2.0, ge=1.0, description="the importance weight's truncation C")
+    max_sample_kl: float | None = Field(
+        1.0, gt=0, description="a sample whose behaviour policy is further than this from the trainer "
+        "(token-mean k3 KL) is not trained; unset: every sample trains")
+    mismatch_alarm: float = Field(
+        0.05, gt=0, description="mean |log π_old/π_b| over samples of the trainer's own version past "
+        "which the mismatch alarm goes off")
+    master_weights: Literal["auto", "true", "false"] = Field(
+        "auto", description="fp32 master weights and AdamW state for low-precision parameters "
+        "(auto: whenever a trainable parameter is not fp32)")
     # -- what a version carries (docs/weights.md) ------------------------------------------------
     publish_dtype: Dtype = Field(
         "auto", description="dtype of the published weights: the dtype the engine serves. auto: the "
-        "trainer's own (fp32 on CPU, where the trainer recomputes the engine's log-probs exactly; bf16 "
-        "on GPU, as SGLang serves); bfloat16 halves every full version for an engine that serves bf16")
+        "base model folder's (its config.json, else its weights: shared/dtypes.py), which the engine "
+        "serves as v0, so v0 and every version are served in one dtype and the watcher, which refuses "
+        "a full version in another, loads them all; an explicit value wins (the watcher then needs "
+        "NEXTSTATE_WATCHER__SERVED_DTYPE to match)")
     snapshot_every: int = Field(
         1, ge=1, description="full versions: a full snapshot every K versions, and in between each "
         "weight file as a delta against the version before (XOR of the bits, then zstd; lossless). "
@@ -138,6 +190,11 @@ class TrainerConfig(BaseModel):
         if v not in ("auto", "cpu", "mps") and not v.startswith("cuda"):
             raise ValueError("auto, cpu, cuda, cuda:N or mps")
         return v
+
+    @field_validator("max_staleness", "max_sample_kl", mode="before")
+    @classmethod
+    def _unset(cls, v: Any) -> Any:
+        return None if v == "" else v  # compose passes an unset ${VAR:-} as empty
 
     @field_validator("betas")
     @classmethod

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from services.trainer import losses
+from services.trainer import losses, offpolicy
 from services.trainer.batching import MicroBatch, collate, pack, trainable_tokens, trains
 from services.trainer.loss_plugins import LossConfig as LossConfig  # re-exported
 from services.trainer.loss_plugins import (
@@ -37,6 +37,12 @@ from services.trainer.model import (
     trainable_parameters,
     window_logits,
     window_logprobs,
+)
+from services.trainer.precision import (
+    MixedPrecisionAdamW,
+    collect_grads,
+    grad_params,
+    needs_masters,
 )
 from shared.errors import MalformedMessage, NextstateError
 from shared.schemas import Mode, TrainSample
@@ -58,11 +64,14 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
-def make_optimizer(model: Any, cfg: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        trainable_parameters(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-    )  # fmt: skip
+def make_optimizer(model: Any, cfg: OptimConfig, master_weights: str = "auto") -> Any:
+    """AdamW over the trainable parameters; over fp32 masters of them when they are in a
+    lower precision (services/trainer/precision.py; MASTER_WEIGHTS=auto|true|false)."""
+    params = trainable_parameters(model)
+    kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if needs_masters(params, master_weights):
+        return MixedPrecisionAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)  # type: ignore[arg-type]
 
 
 def batch_tokens(samples: Sequence[TrainSample], mode: Mode) -> float:
@@ -98,7 +107,7 @@ class Trainer:
     def __init__(
         self,
         model: Any,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         loss: LossConfig,
         optim: OptimConfig,
         *,
@@ -113,7 +122,7 @@ class Trainer:
         self.reference = reference
         self.micro_batch_tokens = micro_batch_tokens
         self.device = torch.device(device)
-        self.params = trainable_parameters(model)
+        self.params = grad_params(optimizer, trainable_parameters(model))  # what is clipped and stepped
         self.loss_fn = resolve_loss(loss.loss_name)  # SettingsError for a bad plugin path
         if loss.kl_beta > 0 and reference is None and not is_lora(model):
             raise ValueError("kl_beta > 0 needs a reference model (or LoRA, whose base is one)")
@@ -128,18 +137,22 @@ class Trainer:
                 return window_logprobs(base, mb)
 
     def accumulate(
-        self, samples: Sequence[TrainSample], num_tokens: float | None = None
+        self, samples: Sequence[TrainSample], num_tokens: float | None = None, version: int | None = None
     ) -> dict[str, float]:
-        """Forward + backward over micro-batches, leaving the batch's gradient in `.grad`.
+        """Forward + backward over micro-batches, leaving the batch's gradient in `.grad`
+        (in the fp32 masters' under mixed precision).
 
         `num_tokens` is the token-mean's denominator: by default these samples' trainable
         tokens; a data-parallel rank passes the whole batch's, so that the ranks' gradients
         (and metrics) add up to the single-process ones (services/trainer/ray_step.py).
+        `version` is the version the weights are (for the mismatch figures: samples drawn
+        from it; None: no figures).
         """
         mode = self.loss.mode
         if num_tokens is None:
             num_tokens = batch_tokens(samples, mode)
         totals: dict[str, float] = {}
+        mismatch: dict[str, float] = {}
         tokens = 0
         for group in pack([len(s.tokens) for s in samples], self.micro_batch_tokens):
             mb = collate([samples[i] for i in group], mode, self.device)
@@ -149,29 +162,66 @@ class Trainer:
             ref = self.reference_logprobs(mb)  # first: its activations are gone before ours exist
             logits = window_logits(self.model, mb)  # (B, W, V)
             logp = losses.token_logprobs(logits, mb.targets, mb.temperature)  # (B, W)
-            old = torch.where(mb.has_old[:, None], mb.old_logprobs, logp.detach())
-            inputs = LossInputs(
-                tokens=mb.input_ids, targets=mb.targets, mask=mb.mask, logits=logits,
-                temperature=mb.temperature, logprobs=logp, old_logprobs=old, ref_logprobs=ref,
-                teacher_logprobs=mb.teacher_logprobs, has_teacher=mb.has_teacher,
-                rewards=mb.rewards, advantages=advantages(mb, old, self.loss).detach(),
-                num_tokens=num_tokens, teacher_topk_ids=mb.teacher_topk_ids,
-                teacher_topk_logprobs=mb.teacher_topk_logprobs, has_topk=mb.has_topk,
-            )  # fmt: skip
+            behaviour = torch.where(mb.has_old[:, None], mb.old_logprobs, logp.detach())
+            inputs, counts = self.corrected(mb, logits, logp, behaviour, ref, num_tokens, version, mismatch)
             loss, metrics = checked(self.loss.loss_name, self.loss_fn(inputs, self.loss))
             loss.backward()  # type: ignore[no-untyped-call]
+            collect_grads(self.optimizer)
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
+            for k, c in counts.items():
+                totals[k] = totals.get(k, 0.0) + c
+        totals.update(mismatch)
         totals["tokens"] = float(tokens)
         totals["train_tokens"] = num_tokens
         return totals
+
+    def corrected(
+        self, mb: MicroBatch, logits: torch.Tensor, logp: torch.Tensor, behaviour: torch.Tensor,
+        ref: torch.Tensor | None, num_tokens: float, version: int | None, mismatch: dict[str, float],
+    ) -> tuple[LossInputs, dict[str, float]]:
+        """The loss's inputs with the off-policy correction (services/trainer/offpolicy.py)
+        applied, and the micro-batch's counts: samples off the trainer's version, samples
+        with a truncated weight, samples masked out as too divergent."""
+        cfg = self.loss
+        log_rho = offpolicy.log_ratio(logp, behaviour, mb.has_old)  # (B, W)
+        if version is not None and mb.policy_version is not None:
+            same = mb.has_old & (mb.policy_version == version)
+            offpolicy.merge_sums(mismatch, offpolicy.mismatch_sums(
+                log_rho, mb.mask, same, cfg.eps_clip, cfg.eps_clip_high))
+        drop = offpolicy.divergent(log_rho, mb.mask, mb.has_old, cfg.max_sample_kl)
+        mask = mb.mask * (~drop)[:, None].to(mb.mask.dtype)
+        counts = {"divergent_samples": float(drop.sum())}
+        if version is not None and mb.policy_version is not None:
+            counts["offpolicy_samples"] = float((mb.has_old & (mb.policy_version != version)).sum())
+        weights = None
+        old = behaviour
+        if cfg.is_correction == "tis":
+            weights = offpolicy.truncated_weights(log_rho, cfg.is_cap)
+            old = logp.detach()
+            truncated = (torch.exp(log_rho) > cfg.is_cap) & mask.bool()
+            counts["truncated_samples"] = float(truncated.any(-1).sum())
+            counts["is_weight_mean"] = float(losses.masked_mean(weights, mask, num_tokens))
+            counts["is_truncated_frac"] = float(losses.masked_mean(truncated.float(), mask, num_tokens))
+        inputs = LossInputs(
+            tokens=mb.input_ids, targets=mb.targets, mask=mask, logits=logits,
+            temperature=mb.temperature, logprobs=logp, old_logprobs=old, ref_logprobs=ref,
+            teacher_logprobs=mb.teacher_logprobs, has_teacher=mb.has_teacher,
+            rewards=mb.rewards, advantages=advantages(mb, behaviour, cfg).detach(),
+            num_tokens=num_tokens, teacher_topk_ids=mb.teacher_topk_ids,
+            teacher_topk_logprobs=mb.teacher_topk_logprobs, has_topk=mb.has_topk,
+            is_weights=weights, behaviour_logprobs=behaviour,
+        )  # fmt: skip
+        return inputs, counts
 
     def step(self, samples: Sequence[TrainSample], version: int = 0) -> dict[str, float]:
         """Train on one batch; return its metrics (`version`: the trainer's, for staleness)."""
         started = time.perf_counter()
         self.check_vocab(samples)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate(samples)
+        metrics = self.accumulate(samples, version=version)
+        sums = {k: metrics.pop(k) for k in list(metrics) if k in offpolicy.SUM_KEYS}
+        metrics.update(offpolicy.mismatch_metrics(sums))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()

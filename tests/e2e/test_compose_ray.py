@@ -46,7 +46,7 @@ import json, sys
 from pathlib import Path
 from safetensors.torch import load_file
 from services.trainer.build import build_trainer
-from services.trainer.checkpoint import ResumePoint
+from services.trainer.resume import ResumePoint
 from services.trainer.model import export_state_dict
 from services.trainer.settings import TrainerSettings
 from shared import checkpoints as ckpt
@@ -79,7 +79,7 @@ def samples(seed: int, n: int) -> list[TrainSample]:
         out.append(TrainSample(
             session_id=f"s{seed}", tokens=[rng.randrange(500) for _ in range(p + r)], response_length=r,
             loss_mask=[1] * r, reward=rng.choice([1.0, -1.0]), policy_version=0,
-            rollout_logprobs=[-rng.uniform(1, 5) for _ in range(r)], temperature=0.7,
+            rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.7,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return out
 

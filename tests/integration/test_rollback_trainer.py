@@ -27,9 +27,10 @@ import pytest
 import torch
 
 from services.trainer.build import build_trainer
-from services.trainer.checkpoint import STATE_TENSORS, find_resume_point, state_key
 from services.trainer.model import export_state_dict, load_causal_lm
+from services.trainer.resume import find_resume_point
 from services.trainer.settings import TrainerConfig
+from services.trainer.trainer_state import STATE_TENSORS, state_key
 from shared.checkpoints import (
     download_checkpoint,
     list_versions,
@@ -70,7 +71,9 @@ class ReleasingProxy(HoldingProxy):
 
 
 class LatestWatch:
-    """Polls LATEST on its own thread; `since(t)`: the versions seen after `t`, repeats collapsed."""
+    """Polls LATEST on its own thread; `since(t)`: the versions read by reads begun after `t`,
+    repeats collapsed (stamped when the read began: one begun before a write and answered
+    after it may still see the old pointer)."""
 
     def __init__(self, settings: Settings, run: str) -> None:
         self.bucket = Bucket(settings.bucket)
@@ -82,9 +85,10 @@ class LatestWatch:
 
     def _poll(self) -> None:
         while not self.done.wait(0.02):
+            started = time.time()  # a read that began before a write may return the old value
             pointer = read_latest(self.bucket, self.run)
             if pointer is not None:
-                self.seen.append((time.time(), pointer.version))
+                self.seen.append((started, pointer.version))
 
     def since(self, t: float) -> list[int]:
         out: list[int] = []
@@ -108,7 +112,7 @@ def batch(n: int, run: str, versions: list[int]) -> TrainBatch:
         samples.append(TrainSample(
             session_id=f"s{n}", tokens=[rng.randrange(500) for _ in range(p + r)], response_length=r,
             loss_mask=[1] * r, reward=rng.choice([1.0, -1.0]), policy_version=v,
-            rollout_logprobs=[-rng.uniform(1, 5) for _ in range(r)], temperature=0.7,
+            rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.7,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return TrainBatch(id=f"batch-{n}", run=run, samples=samples)
 
@@ -116,6 +120,12 @@ def batch(n: int, run: str, versions: list[int]) -> TrainBatch:
 def adam_steps(bucket: Bucket, run: str, version: int) -> set[float]:
     state = torch.load(io.BytesIO(bucket.get_bytes(state_key(run, version, STATE_TENSORS))), weights_only=True)
     return {float(s["step"]) for s in state["optimizer"]["state"].values()}
+
+
+def wait_resume_states(bucket: Bucket, run: str, versions: tuple[int, ...]) -> None:
+    """Resume states are written after their version's commit, on a lane of their own."""
+    wait_until(lambda: all(bucket.exists(state_key(run, v, STATE_TENSORS)) for v in versions), 30,
+               f"resume states of {versions}")
 
 
 def metric(text: str, name: str) -> float:
@@ -134,7 +144,10 @@ def test_a_rollback_mid_training_is_followed(
     s3: S3Server, s3_env: dict[str, str], s3_settings: Settings, tiny_model: Path, tmp_path: Path
 ) -> None:
     proxy = ReleasingProxy(("127.0.0.1", s3.ports["s3"]))
-    h = Harness({**s3_env, "NEXTSTATE_TRAINER__KL_BETA": "0"}, s3_settings, tiny_model, proxy)
+    # A resume state with every version (the default is every 10th): the optimizer's continuity
+    # across the rebases is what is checked.
+    h = Harness({**s3_env, "NEXTSTATE_TRAINER__KL_BETA": "0", "NEXTSTATE_TRAINER__RESUME_EVERY": "1"},
+                s3_settings, tiny_model, proxy)
     run = h.run
     proc: ServiceProcess | None = None
     watch: LatestWatch | None = None
@@ -145,6 +158,7 @@ def test_a_rollback_mid_training_is_followed(
             h.publish(batch(n, run, [n - 1, n - 1]))
         h.wait_latest(3, proc)
         wait_until(lambda: h.pending() == 0, 30, "v1..v3 acked")
+        wait_resume_states(h.bucket, run, (1, 3))
         assert adam_steps(h.bucket, run, 1) == {1.0} and adam_steps(h.bucket, run, 3) == {3.0}
         watch = LatestWatch(s3_settings, run)
 
@@ -165,6 +179,7 @@ def test_a_rollback_mid_training_is_followed(
         wait_until(lambda: "rebasing" in proc.logs(20000), 30, f"rollback seen\n{proc.logs()}")
         proxy.release()  # v4's upload finishes now: too late to become a version
         wait_until(lambda: h.latest() == 6 and h.pending() == 0, 60, f"v5, v6 on v1\n{proc.logs()}")
+        wait_resume_states(h.bucket, run, (5, 6))
 
         # -- an operator moves LATEST back by hand (no record): followed too -----------------------
         set_latest(h.bucket, run, 5)

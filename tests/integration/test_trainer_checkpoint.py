@@ -1,4 +1,5 @@
-"""Trainer checkpoints against a real S3 (SeaweedFS): commit, verify, load, resume, retention."""
+"""Trainer checkpoints against a real S3 (SeaweedFS): commit, verify, load, resume, retention.
+(The resume state's own cadence and lineage: tests/integration/test_trainer_resume_state.py.)"""
 
 from __future__ import annotations
 
@@ -11,19 +12,18 @@ import pytest
 import torch
 
 from services.trainer.build import build_trainer
-from services.trainer.checkpoint import (
-    STATE_META,
-    ResumePoint,
-    apply_point,
-    commit_snapshot,
-    find_resume_point,
-    read_state_meta,
-    state_key,
-    take_snapshot,
-)
+from services.trainer.checkpoint import commit_snapshot, take_snapshot
 from services.trainer.model import load_causal_lm, write_tokenizer
+from services.trainer.resume import ResumePoint, apply_point, find_resume_point
 from services.trainer.settings import TrainerConfig
 from services.trainer.step import Trainer
+from services.trainer.trainer_state import (
+    STATE_META,
+    read_state_meta,
+    state_key,
+    take_resume_state,
+    write_resume_state,
+)
 from shared.checkpoints import (
     download_checkpoint,
     latest_key,
@@ -50,7 +50,7 @@ def samples(seed: int, n: int = 3) -> list[TrainSample]:
         out.append(TrainSample(
             session_id="s", tokens=[rng.randrange(500) for _ in range(p + r)], response_length=r,
             loss_mask=[1] * r, reward=rng.choice([1.0, -1.0]),
-            rollout_logprobs=[-rng.uniform(1, 5) for _ in range(r)], temperature=0.8,
+            rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.8,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return out
 
@@ -69,13 +69,18 @@ def config(tiny_model: Path, **kw: Any) -> TrainerConfig:
 
 def train_and_commit(
     bucket: Bucket, run: str, trainer: Trainer, tmp: Path, static: Path, tiny_model: Path,
-    version: int, step: int, keep: int = 5,
+    version: int, step: int, keep: int = 5, resume: bool = True,
 ) -> None:
+    """Train one step into `version` (parent: the version before), commit it, and (`resume`)
+    write its resume state after the commit, as the service's lanes do."""
     batch_id = f"b{version}"
     m = trainer.step(samples(version))
-    snap = take_snapshot(trainer, version, step, [batch_id], [f"b{i}" for i in range(1, version + 1)], m)
+    snap = take_snapshot(trainer, version, step, [batch_id], [f"b{i}" for i in range(1, version + 1)], m,
+                         parent=version - 1, ancestors=range(1, version - 1))
     commit_snapshot(bucket, run, snap, trainer.model, work_dir=tmp, static_dir=static,
                     base_model=str(tiny_model), keep=keep)
+    if resume:
+        write_resume_state(bucket, run, take_resume_state(trainer, version, step), tmp)
 
 
 def logits(model: Any, ids: list[int]) -> torch.Tensor:

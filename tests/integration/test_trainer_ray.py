@@ -32,10 +32,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from services.trainer.build import build_trainer
-from services.trainer.checkpoint import ResumePoint
 from services.trainer.model import export_state_dict
 from services.trainer.ray_group import Leader, follow
 from services.trainer.ray_step import ShardedTrainer, StepFailed, sync_state
+from services.trainer.resume import ResumePoint
 from services.trainer.settings import TrainerConfig
 from services.trainer.step import Trainer
 from shared import keys as K
@@ -71,7 +71,7 @@ def samples(seed: int, n: int) -> list[TrainSample]:
         out.append(TrainSample(
             session_id=f"s{seed}", tokens=[rng.randrange(500) for _ in range(p + r)], response_length=r,
             loss_mask=[1] * r, reward=rng.choice([1.0, -1.0]), policy_version=0,
-            rollout_logprobs=[-rng.uniform(1, 5) for _ in range(r)], temperature=0.7,
+            rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.7,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return out
 

@@ -26,7 +26,7 @@ import pytest
 import redis
 import torch
 
-from services.trainer.checkpoint import STATE_TENSORS, state_key
+from services.trainer.trainer_state import STATE_TENSORS, state_key
 from shared import keys as K
 from shared.checkpoints import (
     download_checkpoint,
@@ -135,7 +135,7 @@ def batch(n: int, run: str, versions: tuple[int, ...] | None = None) -> TrainBat
         samples.append(TrainSample(
             session_id=f"s{n}", tokens=[rng.randrange(500) for _ in range(p + r)], response_length=r,
             loss_mask=[1] * r, reward=rng.choice([1.0, -1.0]), policy_version=v,
-            rollout_logprobs=[-rng.uniform(1, 5) for _ in range(r)], temperature=0.7,
+            rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.7,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return TrainBatch(id=f"batch-{n}", run=run, samples=samples)
 
@@ -199,7 +199,8 @@ class Harness:
 def test_versions_announcements_and_crash_replay(
     s3_env: dict[str, str], s3_settings: Settings, tiny_model: Path, proxy: HoldingProxy
 ) -> None:
-    h = Harness(s3_env, s3_settings, tiny_model, proxy)
+    # A resume state with every version (the default is every 10th), written after its commit.
+    h = Harness({**s3_env, "NEXTSTATE_TRAINER__RESUME_EVERY": "1"}, s3_settings, tiny_model, proxy)
     procs: list[ServiceProcess] = []
     try:
         # -- A: batches in, versions 1 and 2 out, announced and acked --------------------------
@@ -209,6 +210,7 @@ def test_versions_announcements_and_crash_replay(
         h.publish(batch(2, h.run))
         h.wait_latest(2, a)
         wait_until(lambda: h.pending() == 0 and h.redis.get(h.keys.trainer_version) == "2", 30, "acks")
+        wait_until(lambda: h.bucket.exists(state_key(h.run, 2, STATE_TENSORS)), 30, "v2's resume state")
         announced = [CheckpointPublished.from_json(f[K.FIELD])
                      for _, f in h.redis.xrange(h.keys.checkpoints)]
         assert [m.version for m in announced] == [1, 2]
@@ -253,11 +255,15 @@ def test_versions_announcements_and_crash_replay(
         assert [m.consumed_batch_ids for m in manifests] == [["batch-1"], ["batch-2"], ["batch-3"], ["batch-4"]]
         assert [m.step for m in manifests] == [1, 2, 3, 4]
         assert all(m.metrics["staleness"] >= 0 and "grad_norm" in m.metrics for m in manifests)
-        # The optimizer carried over every restart: Adam has taken 4 steps, not 1 or 2.
+        # The optimizer carried over every restart: B took v2's resume state (2 steps); B died
+        # before v4's commit returned, so v4 never got one and C resumed v4's weights with v2's
+        # optimizer, then trained batch 4: 3 steps (1 would be a fresh optimizer). C's clean
+        # stop wrote v5's.
         raw = h.bucket.get_bytes(state_key(h.run, 5, STATE_TENSORS))
         state = torch.load(io.BytesIO(raw), weights_only=True)
         steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
-        assert steps == {4.0}
+        assert steps == {3.0}
+        assert not h.bucket.exists(state_key(h.run, 4, STATE_TENSORS))
         assert h.redis.get(h.keys.trainer_version) == "5"
     finally:
         h.close()
