@@ -62,6 +62,7 @@ def parse_log(text: str) -> dict[str, Any]:
     steps: list[tuple[float, float]] = []  # (time, tokens/s)
     # What became of the samples that reached the trainer (its step and drop lines).
     fate = {"trained": 0, "stale": 0, "divergent": 0, "abandoned": 0}
+    kls: list[float] = []  # each step's most divergent sample (token-mean k3 KL to the trainer)
     for line in text.splitlines():
         m = LINE.match(line)
         if not m:
@@ -72,6 +73,8 @@ def parse_log(text: str) -> dict[str, Any]:
             committed.setdefault(int(f["version"]), at)
         elif svc == "trainer" and msg.startswith("step ") and "tokens_per_s" in f:
             steps.append((at, float(f["tokens_per_s"])))
+            if f.get("sample_kl_max", "None") != "None":
+                kls.append(float(f["sample_kl_max"]))
             divergent = int(float(f.get("divergent_samples", "0").replace("None", "0")))
             fate["trained"] += int(f.get("samples", "0")) - divergent
             fate["divergent"] += divergent
@@ -82,7 +85,7 @@ def parse_log(text: str) -> dict[str, Any]:
             fate["abandoned"] += int(f.get("dropped", "0"))
         elif svc == "watcher" and msg.startswith("policy loaded") and f.get("version", "").isdigit():
             loaded.setdefault(int(f["version"]), at)
-    return {"committed": committed, "loaded": loaded, "steps": steps, "fate": fate}
+    return {"committed": committed, "loaded": loaded, "steps": steps, "fate": fate, "kls": kls}
 
 
 def ctl(stack: UpStack, *args: str, timeout: float = 120) -> str:
@@ -170,6 +173,10 @@ def summarise(path: str, up_s: float, t0: float, traffic_end: float, demo: dict[
         "samples_reached_trainer": reached,
         "trained_frac": round(fate["trained"] / reached, 4) if reached else None,
         "samples_fate": fate,
+        # what MAX_SAMPLE_KL is set against: each step's most divergent sample, quantiles over steps
+        "step_kl_max": {q: round(statistics.quantiles(log["kls"], n=100)[int(q[1:]) - 1], 4)
+                        for q in ("p50", "p90", "p99")} | {"max": round(max(log["kls"]), 4)}
+        if len(log["kls"]) >= 2 else None,
         "demo_base": demo_score(0),
         "demo_best": max(scored.values()) if scored else None,
         "demo_last_served": demo_score(served_versions[-1]) if served_versions else None,

@@ -265,6 +265,7 @@ class TrainerService:
                 "offpolicy_samples": metrics.get("offpolicy_samples"),
                 "truncated_samples": metrics.get("truncated_samples"),
                 "divergent_samples": metrics.get("divergent_samples"),
+                "sample_kl_max": metrics.get("sample_kl_max"),
                 "mismatch": metrics.get("mismatch_abs_log_ratio"),
                 "tokens_per_s": round(metrics["tokens_per_s"], 1)})
             await self.watch_mismatch(metrics)

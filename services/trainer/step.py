@@ -189,6 +189,9 @@ class Trainer:
             same = mb.has_old & (mb.policy_version == version)
             offpolicy.merge_sums(mismatch, offpolicy.mismatch_sums(
                 log_rho, mb.mask, same, cfg.eps_clip, cfg.eps_clip_high))
+        if bool(mb.has_old.any()):  # the step's most divergent sample: what MAX_SAMPLE_KL is set against
+            kl = float(offpolicy.sample_kl(log_rho, mb.mask)[mb.has_old].max())
+            offpolicy.merge_sums(mismatch, {"sample_kl_max": kl})
         drop = offpolicy.divergent(log_rho, mb.mask, mb.has_old, cfg.max_sample_kl)
         mask = mb.mask * (~drop)[:, None].to(mb.mask.dtype)
         counts = {"divergent_samples": float(drop.sum())}
