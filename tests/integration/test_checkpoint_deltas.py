@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,14 +46,6 @@ def samples(seed: int) -> list[TrainSample]:
             rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.8,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return out
-
-
-@pytest.fixture
-def bucket(s3_settings: Settings) -> Iterator[Bucket]:
-    b = Bucket(s3_settings.bucket)
-    b.ensure()
-    yield b
-    b.close()
 
 
 def test_a_snapshot_every_k_versions_and_retention_keeps_each_kept_versions_chain(

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +52,6 @@ def samples(seed: int, n: int = 3) -> list[TrainSample]:
             rollout_logprobs=[-rng.uniform(5.7, 6.8) for _ in range(r)], temperature=0.8,  # near the model's own: -log(vocab)
         ))  # fmt: skip
     return out
-
-
-@pytest.fixture
-def bucket(s3_settings: Settings) -> Iterator[Bucket]:
-    b = Bucket(s3_settings.bucket)
-    b.ensure()
-    yield b
-    b.close()
 
 
 def config(tiny_model: Path, **kw: Any) -> TrainerConfig:

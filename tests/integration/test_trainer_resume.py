@@ -4,7 +4,6 @@ never numbered over. Real S3 (SeaweedFS), tiny models trained and committed for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,6 @@ from tests.integration.test_trainer_checkpoint import config, train_and_commit
 pytestmark = pytest.mark.integration
 
 SHARD = "model.safetensors"
-
-
-@pytest.fixture
-def bucket(s3_settings: Settings) -> Iterator[Bucket]:
-    b = Bucket(s3_settings.bucket)
-    b.ensure()
-    yield b
-    b.close()
 
 
 def fresh_trainer(tiny_model: Path) -> Trainer:

@@ -8,7 +8,6 @@ need; with LoRA published merged, the version's own adapter comes back from its 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +49,6 @@ def samples(seed: int, n: int = 3) -> list[TrainSample]:
             rollout_logprobs=[NEAR_UNIFORM + rng.uniform(-0.05, 0.05) for _ in range(r)], temperature=1.0,
         ))  # fmt: skip
     return out
-
-
-@pytest.fixture
-def bucket(s3_settings: Settings) -> Iterator[Bucket]:
-    b = Bucket(s3_settings.bucket)
-    b.ensure()
-    yield b
-    b.close()
 
 
 def config(tiny_model: Path, **kw: Any) -> TrainerConfig:

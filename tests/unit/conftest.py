@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NoReturn
 
 import pytest
@@ -18,3 +19,14 @@ def redis_server() -> NoReturn:
 @pytest.fixture(scope="session")
 def s3() -> NoReturn:
     pytest.fail(WHERE.format("SeaweedFS (s3, s3_env, s3_settings)"), pytrace=False)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test (what a step costs, not how the 2 cores share it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

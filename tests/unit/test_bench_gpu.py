@@ -7,12 +7,13 @@ import importlib.util
 import math
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/conftest.py
 
 
 def load_bench() -> ModuleType:
@@ -21,14 +22,6 @@ def load_bench() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_tiny_shape_one_step_reports_every_figure() -> None:

@@ -20,13 +20,7 @@ from shared.schemas import TrainSample
 
 CPU = torch.device("cpu")
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/conftest.py
 
 
 def batch(seed: int = 0, n: int = 6) -> list[TrainSample]:
